@@ -1,0 +1,492 @@
+"""The broker: one ROUTER for requests, one PUB for the weight-version bus.
+
+A single thread runs the loop: receive what is waiting, answer it, then do
+the periodic work (heartbeats, peer expiry, lease expiry, republishing the
+weight state, timing out held FETCHes). Consecutive PUTs are stored with one
+group commit before any of them is ACKed, so the fsync cost is shared by
+everything that arrived while the previous one ran.
+
+A message that does not follow docs/protocol.md gets an ERROR reply and a log
+line; nothing a peer sends can stop the loop or lose acknowledged data.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+import zmq
+
+from broker.store import Group, Store
+from broker.tasks import TaskQueue
+from common import protocol as P
+from common.config import RunConfig
+from common.curve import load_server_auth
+from common.tasksets import make_taskset
+
+log = structlog.get_logger()
+
+PUT_DRAIN = 256  # messages taken off the socket before one group commit
+
+
+@dataclass(slots=True)
+class Peer:
+    name: str
+    role: str
+    identity: bytes
+    last_seen: float
+    policy_version: int = 0
+    info: dict[str, Any] = field(default_factory=dict)
+    last_sent: float = 0.0
+    starved: bool = False
+
+
+@dataclass(slots=True)
+class HeldFetch:
+    identity: bytes
+    msg: P.Message
+    deadline: float
+
+
+class Broker:
+    def __init__(self, cfg: RunConfig, ctx: zmq.Context | None = None):
+        self.cfg = cfg
+        self.ctx = ctx or zmq.Context.instance()
+        bcfg = cfg.broker
+        self.hb = bcfg.heartbeat_interval_s
+        self.expiry = bcfg.liveness * self.hb
+        self.store = Store(cfg.buffer_dir(), cfg.buffer.fsync, cfg.buffer.segment_bytes)
+        self.run_id = self.store.get_meta("run_id") or f"{cfg.run.name}-{uuid.uuid4().hex[:8]}"
+        self.store.set_meta("run_id", self.run_id)
+        self.weights = self.store.get_meta("weights") or {
+            "version": 0, "method": "checkpoint", "location": "", "digest": "", "step": 0, "published_at": 0.0}
+        self.trainer_step = int(self.store.get_meta("trainer_step", 0))
+        self.tasks = TaskQueue(self.store, make_taskset(cfg.data), cfg.data.batch_tasks, bcfg.lease_timeout_s)
+        self.peers: dict[bytes, Peer] = {}
+        self.by_name: dict[str, Peer] = {}
+        self.held: list[HeldFetch] = []
+        self._auth = None
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.pub = self.ctx.socket(zmq.PUB)
+        for sock in (self.router, self.pub):
+            sock.setsockopt(zmq.LINGER, 0)
+        self.router.setsockopt(zmq.MAXMSGSIZE, 4 * bcfg.max_message_bytes)
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.router.setsockopt(zmq.SNDHWM, 0)
+        self.router.setsockopt(zmq.RCVHWM, 0)
+        if bcfg.curve_secret_key:
+            self._auth = load_server_auth(self.ctx, bcfg.curve_secret_key, bcfg.curve_authorized_dir,
+                                          [self.router, self.pub])
+        self.port = self._bind(self.router, bcfg.port)
+        self.pub_port = self._bind(self.pub, bcfg.pub_port)
+        self._last_tick = 0.0
+        self._last_publish = 0.0
+        self._running = True
+
+    def _bind(self, sock: zmq.Socket, port: int) -> int:
+        if port == 0:
+            return sock.bind_to_random_port(f"tcp://{self.cfg.broker.host}")
+        sock.bind(f"tcp://{self.cfg.broker.host}:{port}")
+        return port
+
+    # ---- loop -------------------------------------------------------------
+
+    def serve(self, stop_after: float | None = None) -> None:
+        endpoints = {"router": f"tcp://{self.cfg.broker.host}:{self.port}",
+                     "pub": f"tcp://{self.cfg.broker.host}:{self.pub_port}", "pid": os.getpid()}
+        path = self.cfg.buffer_dir() / "endpoints.json"
+        path.write_text(json.dumps(endpoints))
+        log.info("broker_ready", run_id=self.run_id, port=self.port, pub_port=self.pub_port,
+                 depth=self.store.depth, trainer_step=self.trainer_step, weights_version=self.weights["version"],
+                 curve=self._auth is not None)
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        end = None if stop_after is None else time.monotonic() + stop_after
+        while self._running and (end is None or time.monotonic() < end):
+            if poller.poll(self._poll_timeout_ms()):
+                self._drain()
+            self._tick()
+        self.close()
+
+    def stop(self) -> None:
+        self._running = False
+
+    def _poll_timeout_ms(self) -> int:
+        timeout = self.hb / 2
+        if self.held:
+            timeout = min(timeout, max(0.0, min(h.deadline for h in self.held) - time.time()))
+        return int(timeout * 1000)
+
+    def _drain(self) -> None:
+        puts: list[tuple[bytes, P.Message]] = []
+        for _ in range(PUT_DRAIN):
+            try:
+                frames = self.router.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                break
+            identity, body = frames[0], frames[1:]
+            try:
+                msg = P.decode(body, self.cfg.broker.max_message_bytes)
+                P.validate(msg)
+            except P.ProtocolError as exc:
+                self._bad(identity, exc, body)
+                continue
+            peer = self.peers.get(identity)
+            if peer is not None:
+                peer.last_seen = time.time()
+            if msg.command == P.PUT:
+                puts.append((identity, msg))
+                continue
+            if puts:
+                self._store_puts(puts)
+                puts = []
+            self._dispatch(identity, msg)
+        if puts:
+            self._store_puts(puts)
+
+    def _bad(self, identity: bytes, exc: P.ProtocolError, body: list[bytes]) -> None:
+        peer = self.peers.get(identity)
+        log.warning("bad_message", code=exc.code, reason=exc.message, peer=peer.name if peer else None,
+                    frames=len(body))
+        req = None
+        if exc.code not in ("malformed", "bad_version", "too_large"):
+            try:
+                req = P.unpack(body[2]).get("req")
+            except Exception:
+                req = None
+        self._send(identity, P.error(exc.code, exc.message, req if isinstance(req, int) else None))
+
+    def _send(self, identity: bytes, frames: list[bytes]) -> None:
+        try:
+            self.router.send_multipart([identity, *frames], zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as exc:  # peer gone: nothing to deliver to
+            log.debug("send_failed", error=str(exc))
+            return
+        peer = self.peers.get(identity)
+        if peer is not None:
+            peer.last_sent = time.time()
+
+    def _reply(self, identity: bytes, msg: P.Message, command: str, header: dict[str, Any],
+               payloads: list[bytes] | None = None) -> None:
+        if "req" in msg.header:
+            header["req"] = msg.header["req"]
+        self._send(identity, P.encode(command, header, payloads))
+
+    def _dispatch(self, identity: bytes, msg: P.Message) -> None:
+        if msg.command == P.HELLO:
+            return self._hello(identity, msg)
+        peer = self.peers.get(identity)
+        if peer is None:
+            if msg.command == P.BYE:
+                return None
+            return self._reply(identity, msg, P.ERROR, {
+                "code": "not_registered", "message": "say HELLO first (the broker may have restarted)"})
+        handler = {P.HEARTBEAT: self._heartbeat, P.BYE: self._bye, P.LEASE: self._lease, P.FETCH: self._fetch,
+                   P.COMMIT: self._commit, P.PUBLISH: self._publish, P.STATUS: self._status}[msg.command]
+        if msg.command in (P.FETCH, P.COMMIT, P.PUBLISH) and peer.role != "trainer":
+            return self._reply(identity, msg, P.ERROR, {
+                "code": "bad_role", "message": f"{msg.command} is for the trainer; this peer is a {peer.role}"})
+        if msg.command == P.LEASE and peer.role != "explorer":
+            return self._reply(identity, msg, P.ERROR, {
+                "code": "bad_role", "message": f"LEASE is for explorers; this peer is a {peer.role}"})
+        handler(peer, msg)
+
+    # ---- peers ------------------------------------------------------------
+
+    def _hello(self, identity: bytes, msg: P.Message) -> None:
+        h = msg.header
+        now = time.time()
+        old = self.by_name.get(h["name"])
+        if h["role"] == "trainer":
+            other = next((p for p in self.by_name.values() if p.role == "trainer" and p.name != h["name"]), None)
+            if other is not None:
+                return self._reply(identity, msg, P.ERROR, {
+                    "code": "conflict", "message": f"trainer {other.name!r} is already connected; one trainer per run"})
+        if old is not None:
+            self.peers.pop(old.identity, None)
+        peer = Peer(h["name"], h["role"], identity, now, h.get("policy_version", 0),
+                    {"pid": h.get("pid"), "host": h.get("host"), "capabilities": h.get("capabilities", {})})
+        self.peers[identity] = peer
+        self.by_name[peer.name] = peer
+        log.info("peer_joined", peer=peer.name, role=peer.role, policy_version=peer.policy_version,
+                 reconnect=old is not None, peers=len(self.peers))
+        s = self.cfg.sync
+        self._reply(identity, msg, P.WELCOME, {
+            "run_id": self.run_id, "peer": peer.name, "heartbeat_interval_s": self.hb,
+            "liveness": self.cfg.broker.liveness, "weights": self.weights, "credit": self._credit(),
+            "max_message_bytes": self.cfg.broker.max_message_bytes,
+            "sync": {"sync_style": s.sync_style, "sync_interval": s.sync_interval, "sync_offset": s.sync_offset,
+                     "max_staleness": s.max_staleness, "sync_method": s.sync_method,
+                     "batch_tasks": self.cfg.data.batch_tasks, "repeat": self.cfg.data.repeat}})
+
+    def _heartbeat(self, peer: Peer, msg: P.Message) -> None:
+        if "policy_version" in msg.header:
+            peer.policy_version = msg.header["policy_version"]
+
+    def _bye(self, peer: Peer, msg: P.Message) -> None:
+        self._drop(peer, "bye")
+
+    def _drop(self, peer: Peer, reason: str) -> None:
+        self.peers.pop(peer.identity, None)
+        if self.by_name.get(peer.name) is peer:
+            del self.by_name[peer.name]
+        released = self.tasks.release_holder(peer.name)
+        log.info("peer_left", peer=peer.name, role=peer.role, reason=reason, leases_released=len(released),
+                 peers=len(self.peers))
+
+    # ---- tasks ------------------------------------------------------------
+
+    def need_version(self, batch_index: int) -> int:
+        """Oldest policy version allowed to generate `batch_index` (admission control)."""
+        s = self.cfg.sync
+        floor = self.trainer_step - s.max_staleness
+        if s.sync_style == "lockstep":
+            return max(0, s.required_version(batch_index), floor)
+        queued = (sum(len(g.trajs) for g in self.store.ready.values()) // max(1, self.cfg.data.repeat)
+                  + len(self.tasks.leases))
+        return max(0, floor + queued // self.cfg.data.batch_tasks)
+
+    def _lease(self, peer: Peer, msg: P.Message) -> None:
+        version = msg.header["policy_version"]
+        peer.policy_version = version
+        now = time.time()
+        room = self.cfg.buffer.capacity - self.store.depth - len(self.tasks.leases) * self.cfg.data.repeat
+        if room < self.cfg.data.repeat:
+            return self._reply(peer.identity, msg, P.WAIT, {"reason": "buffer_full", "retry_after_s": self.hb})
+        max_tasks = min(msg.header["max_tasks"], max(1, room // self.cfg.data.repeat))
+        granted = self.tasks.lease(peer.name, max_tasks, now, lambda e: version >= self.need_version(e))
+        if granted:
+            tasks = [{"lease_id": lz.lease_id, "task_id": t["task_id"], "seq": lz.seq,
+                      "batch_index": self.tasks.batch_of(lz.seq), "task": t} for lz, t in granted]
+            log.info("tasks_leased", peer=peer.name, n=len(tasks), batch_index=tasks[0]["batch_index"],
+                     policy_version=version)
+            return self._reply(peer.identity, msg, P.TASKS, {"tasks": tasks, "lease_s": self.cfg.broker.lease_timeout_s})
+        batch = self.tasks.next_batch()
+        if batch is None:
+            if self.tasks.leases:
+                return self._reply(peer.identity, msg, P.WAIT, {"reason": "leased", "retry_after_s": self.hb})
+            return self._reply(peer.identity, msg, P.DONE, {})
+        need = self.need_version(batch)
+        log.info("lease_wait", peer=peer.name, policy_version=version, need_version=need, batch_index=batch)
+        self._reply(peer.identity, msg, P.WAIT, {"reason": "version", "need_version": need,
+                                                 "retry_after_s": self.hb})
+
+    # ---- trajectories -----------------------------------------------------
+
+    def _credit(self) -> int:
+        return max(0, self.cfg.buffer.capacity - self.store.depth)
+
+    def _store_puts(self, puts: list[tuple[bytes, P.Message]]) -> None:
+        limit = self.cfg.broker.max_payload_bytes
+        items: list[tuple[dict, bytes]] = []
+        accepted: list[tuple[bytes, P.Message, list[str]]] = []
+        room = self._credit()
+        for identity, msg in puts:
+            peer = self.peers.get(identity)
+            if peer is None:
+                self._reply(identity, msg, P.ERROR, {"code": "not_registered", "message": "say HELLO first"})
+                continue
+            metas = msg.header["trajectories"]
+            too_big = next((m["id"] for m, p in zip(metas, msg.payloads) if len(p) > limit), None)
+            if too_big is not None:
+                self._bad(identity, P.ProtocolError("too_large", f"payload of {too_big} exceeds {limit} bytes"),
+                          [P.PROTOCOL, b"PUT", P.pack({"req": msg.header.get("req")})])
+                continue
+            known = [m["id"] for m in metas if m["id"] in self.store.ids]
+            fresh = len(metas) - len(known)
+            if fresh and fresh > room:
+                peer.starved = True
+                self._reply(identity, msg, P.ACK, {"stored": [], "duplicate": known,
+                                                   "deferred": [m["id"] for m in metas if m["id"] not in self.store.ids],
+                                                   "credit": 0, "depth": self.store.depth})
+                continue
+            room -= fresh
+            for meta, payload in zip(metas, msg.payloads):
+                meta["explorer"] = peer.name
+                items.append((meta, payload))
+            accepted.append((identity, msg, [m["id"] for m in metas]))
+        if not items:
+            return
+        stored, duplicate, completed = self.store.put(items)
+        for group in completed:
+            self.tasks.complete(group.group_id)
+        stored_set = set(stored)
+        credit = self._credit()
+        for identity, msg, ids in accepted:
+            mine_stored = [i for i in ids if i in stored_set]
+            stored_set.difference_update(mine_stored)
+            self._reply(identity, msg, P.ACK, {"stored": mine_stored,
+                                               "duplicate": [i for i in ids if i not in mine_stored],
+                                               "deferred": [], "credit": credit, "depth": self.store.depth})
+        if stored:
+            log.debug("stored", n=len(stored), duplicate=len(duplicate), groups_completed=len(completed),
+                      depth=self.store.depth)
+        if self.held and completed:
+            self._serve_held()
+
+    # ---- trainer ----------------------------------------------------------
+
+    def _fetch(self, peer: Peer, msg: P.Message) -> None:
+        h = msg.header
+        step = h["step"]
+        if step > self.trainer_step:
+            self.trainer_step = step
+            self.store.set_meta("trainer_step", step)
+        again = self.store.delivered(step)
+        if again is not None:
+            log.info("batch_redelivered", step=step, groups=len(again))
+            return self._send_batch(peer.identity, msg, step, again, 0, 0)
+        if step <= self.store.committed_step:
+            return self._reply(peer.identity, msg, P.ERROR, {
+                "code": "conflict", "message": f"step {step} was committed already (last committed: "
+                                               f"{self.store.committed_step}); fetch a later step"})
+        if not self._try_fetch(peer.identity, msg):
+            wait_ms = h.get("wait_ms", 0)
+            if wait_ms > 0:
+                self.held.append(HeldFetch(peer.identity, msg, time.time() + wait_ms / 1000))
+            else:
+                self._empty(peer.identity, msg, 0, 0)
+
+    def _try_fetch(self, identity: bytes, msg: P.Message) -> bool:
+        h = msg.header
+        step, batch_index = h["step"], h.get("batch_index")
+        if batch_index is not None and not self.tasks.batch_resolved(batch_index):
+            return False
+        groups, expired, skipped = self.store.select(step, h["max_groups"], self.cfg.sync.max_staleness,
+                                                     batch_index, h.get("skip_zero_spread", False))
+        if expired or skipped:
+            log.info("groups_retired", step=step, expired=expired, skipped=skipped)
+            self._refill()
+        enough = len(groups) >= h.get("min_groups", 1) or (batch_index is not None)
+        if not enough:
+            return False
+        self.store.deliver(step, groups)
+        self._send_batch(identity, msg, step, groups, expired, skipped)
+        return True
+
+    def _send_batch(self, identity: bytes, msg: P.Message, step: int, groups: list[Group],
+                    expired: int, skipped: int) -> None:
+        payloads: list[bytes] = []
+        out = []
+        for group in groups:
+            out.append({"group_id": group.group_id, "batch_index": group.batch_index,
+                        "trajectories": [t.meta for t in group.trajs]})
+            payloads.extend(self.store.payload(t) for t in group.trajs)
+        self._reply(identity, msg, P.BATCH, {"step": step, "groups": out, "expired": expired, "skipped": skipped},
+                    payloads)
+
+    def _empty(self, identity: bytes, msg: P.Message, expired: int, skipped: int) -> None:
+        self._reply(identity, msg, P.EMPTY, {"step": msg.header["step"], "reason": "not_enough_ready_groups",
+                                             "depth": self.store.depth, "expired": expired, "skipped": skipped})
+
+    def _serve_held(self) -> None:
+        still = []
+        for held in self.held:
+            if held.identity not in self.peers or not self._try_fetch(held.identity, held.msg):
+                still.append(held)
+        self.held = [h for h in still if h.identity in self.peers]
+
+    def _commit(self, peer: Peer, msg: P.Message) -> None:
+        step = msg.header["step"]
+        if step not in self.store.batches and step > self.store.committed_step:
+            return self._reply(peer.identity, msg, P.ERROR, {
+                "code": "conflict", "message": f"no batch was delivered for step {step}"})
+        n = self.store.commit(step)
+        log.info("batch_committed", step=step, trajectories=n, depth=self.store.depth)
+        self._reply(peer.identity, msg, P.OK, {})
+        self._refill()
+
+    def _refill(self) -> None:
+        """Tell producers that were given zero credit that there is room again."""
+        credit = self._credit()
+        if credit <= 0:
+            return
+        for peer in self.peers.values():
+            if peer.starved:
+                peer.starved = False
+                self._send(peer.identity, P.encode(P.CREDIT, {"credit": credit}))
+
+    def _publish(self, peer: Peer, msg: P.Message) -> None:
+        h = msg.header
+        if h["method"] not in ("checkpoint", "nccl"):
+            return self._reply(peer.identity, msg, P.ERROR, {
+                "code": "bad_field", "message": f"PUBLISH: method {h['method']!r} is not checkpoint or nccl"})
+        if h["version"] < self.weights["version"]:
+            return self._reply(peer.identity, msg, P.ERROR, {
+                "code": "conflict", "message": f"version {h['version']} is older than the published "
+                                               f"{self.weights['version']}"})
+        self.weights = {"version": h["version"], "method": h["method"], "location": h["location"],
+                        "digest": h["digest"], "step": h.get("step", h["version"]), "published_at": time.time()}
+        self.store.set_meta("weights", self.weights)
+        log.info("weights_published", policy_version=h["version"], method=h["method"], location=h["location"])
+        self._reply(peer.identity, msg, P.OK, {})
+        self._broadcast_weights()
+
+    def _broadcast_weights(self) -> None:
+        self.pub.send_multipart([P.TOPIC_WEIGHTS, P.PROTOCOL, P.pack(self.weights)])
+        self._last_publish = time.time()
+
+    def _status(self, peer: Peer, msg: P.Message) -> None:
+        self._reply(peer.identity, msg, P.STATUS, self.status())
+
+    def status(self) -> dict[str, Any]:
+        now = time.time()
+        c = self.store.counts
+        return {
+            "run_id": self.run_id, "weights": self.weights, "trainer_step": self.trainer_step,
+            "peers": [{"name": p.name, "role": p.role, "policy_version": p.policy_version,
+                       "last_seen_s": round(now - p.last_seen, 3), "leases": self.tasks.held_by(p.name)}
+                      for p in self.peers.values()],
+            "buffer": {"depth": self.store.depth, "capacity": self.cfg.buffer.capacity,
+                       "ready_groups": len(self.store.ready), "stored": c["stored"], "committed": c["committed"],
+                       "expired": c["expired"], "skipped": c["skipped"]},
+            "tasks": {"issued": self.tasks.next_seq, "leased": len(self.tasks.leases), "done": len(self.tasks.done)},
+        }
+
+    # ---- periodic ---------------------------------------------------------
+
+    def _tick(self) -> None:
+        now = time.time()
+        if self.held:
+            for held in [h for h in self.held if h.deadline <= now]:
+                self.held.remove(held)
+                if held.identity in self.peers:
+                    self._empty(held.identity, held.msg, 0, 0)
+        if now - self._last_tick < self.hb / 2:
+            return
+        self._last_tick = now
+        for peer in list(self.peers.values()):
+            if now - peer.last_seen > self.expiry:
+                self._drop(peer, "expired")
+            elif now - peer.last_sent >= self.hb:
+                self._send(peer.identity, P.encode(P.HEARTBEAT, {"credit": self._credit()}))
+        expired = self.tasks.expire(now)
+        if expired:
+            log.info("leases_expired", n=len(expired), seqs=[lz.seq for lz in expired][:16])
+        if now - self._last_publish >= self.cfg.broker.republish_interval_s:
+            self._broadcast_weights()
+
+    def close(self) -> None:
+        log.info("broker_stopping", depth=self.store.depth, peers=len(self.peers))
+        self.router.close(0)
+        self.pub.close(0)
+        if self._auth is not None:
+            self._auth.stop()
+        self.store.close()
+
+
+def run(cfg: RunConfig) -> None:
+    """Entry point of `rlbus broker`: serve until SIGTERM or SIGINT."""
+    import signal
+
+    Path(cfg.buffer_dir()).mkdir(parents=True, exist_ok=True)
+    broker = Broker(cfg)
+    signal.signal(signal.SIGTERM, lambda *_: broker.stop())
+    signal.signal(signal.SIGINT, lambda *_: broker.stop())
+    broker.serve()

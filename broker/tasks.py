@@ -1,0 +1,152 @@
+"""Task leases: which explorer is rolling out which task, and until when.
+
+Tasks are numbered in the order they are first issued (`seq`); task seq s
+belongs to explorer batch ⌊s / batch_tasks⌋. A lease names a task and a
+holder and expires; a lease that expires or whose holder is dropped returns
+its task to the queue, and the next LEASE gets it again (lowest seq first, so
+an old batch is finished before a new one starts). A task is done when a
+group answering any of its leases is stored.
+
+Leases live in the store's SQLite database, so a restarted broker knows which
+tasks were issued, which are done and which are still out.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from broker.store import Store
+from common.tasksets import Taskset
+
+
+@dataclass(slots=True)
+class Lease:
+    lease_id: str
+    seq: int
+    holder: str
+    expires: float
+
+
+def lease_id(seq: int, attempt: int) -> str:
+    return f"t{seq}.{attempt}"
+
+
+def seq_of(lease: str) -> int | None:
+    """The task seq a lease (group) id answers, or None for ids not made by `lease_id`."""
+    if not lease.startswith("t"):
+        return None
+    head, _, _ = lease[1:].partition(".")
+    return int(head) if head.isdigit() else None
+
+
+class TaskQueue:
+    def __init__(self, store: Store, taskset: Taskset, batch_tasks: int, lease_s: float):
+        self.store = store
+        self.taskset = taskset
+        self.batch_tasks = batch_tasks
+        self.lease_s = lease_s
+        self.leases: dict[str, Lease] = {}
+        self.free: list[int] = []  # heap of seqs issued before whose lease lapsed
+        self.attempts: dict[int, int] = {}
+        self.done: set[int] = set()
+        self.done_per_batch: Counter[int] = Counter()
+        self.next_seq = 0
+        for seq, lid, holder, expires, attempt, done in store.db.execute(
+                "SELECT seq, lease_id, holder, expires, attempt, done FROM tasks ORDER BY seq"):
+            self.next_seq = max(self.next_seq, seq + 1)
+            self.attempts[seq] = attempt
+            if done:
+                self._mark_done(seq)
+            elif lid:
+                self.leases[lid] = Lease(lid, seq, holder, expires)
+            else:
+                heapq.heappush(self.free, seq)
+
+    @property
+    def exhausted(self) -> bool:
+        size = len(self.taskset)
+        return bool(size) and self.next_seq >= size and not self.free
+
+    def batch_of(self, seq: int) -> int:
+        return seq // self.batch_tasks
+
+    def next_batch(self) -> int | None:
+        """Batch index of the task the next LEASE would get, or None when none is left."""
+        if self.free:
+            return self.batch_of(self.free[0])
+        if self.exhausted:
+            return None
+        return self.batch_of(self.next_seq)
+
+    def batch_resolved(self, batch_index: int) -> bool:
+        """Every task of the batch has a stored group (or lies past the end of the taskset)."""
+        size = len(self.taskset)
+        first = batch_index * self.batch_tasks
+        last = first + self.batch_tasks if not size else min(first + self.batch_tasks, size)
+        return self.done_per_batch[batch_index] >= max(0, last - first)
+
+    def lease(self, holder: str, max_tasks: int, now: float,
+              admit: Callable[[int], bool]) -> list[tuple[Lease, dict[str, Any]]]:
+        """Lease up to `max_tasks` tasks, in seq order, while `admit(batch_index)` allows."""
+        out: list[tuple[Lease, dict[str, Any]]] = []
+        rows = []
+        while len(out) < max_tasks:
+            batch = self.next_batch()
+            if batch is None or not admit(batch):
+                break
+            if self.free:
+                seq = heapq.heappop(self.free)
+            else:
+                seq = self.next_seq
+                self.next_seq += 1
+            attempt = self.attempts.get(seq, -1) + 1
+            self.attempts[seq] = attempt
+            lease = Lease(lease_id(seq, attempt), seq, holder, now + self.lease_s)
+            self.leases[lease.lease_id] = lease
+            rows.append((seq, lease.lease_id, holder, lease.expires, attempt))
+            out.append((lease, self.taskset.task(seq)))
+        if rows:
+            with self.store.transaction():
+                self.store.db.executemany(
+                    "INSERT OR REPLACE INTO tasks(seq, lease_id, holder, expires, attempt, done) "
+                    "VALUES (?, ?, ?, ?, ?, 0)", rows)
+        return out
+
+    def complete(self, group_id: str) -> None:
+        """A group answering lease `group_id` is stored: its task is done."""
+        seq = seq_of(group_id)
+        if seq is None or seq in self.done or seq >= self.next_seq:
+            return
+        for lid in [lid for lid, lease in self.leases.items() if lease.seq == seq]:
+            del self.leases[lid]
+        if seq in self.free:
+            self.free.remove(seq)
+            heapq.heapify(self.free)
+        self.store.db.execute("UPDATE tasks SET done=1, lease_id=NULL, holder=NULL WHERE seq=?", (seq,))
+        self._mark_done(seq)
+
+    def _mark_done(self, seq: int) -> None:
+        self.done.add(seq)
+        self.done_per_batch[self.batch_of(seq)] += 1
+
+    def _release(self, leases: list[Lease]) -> list[Lease]:
+        for lease in leases:
+            del self.leases[lease.lease_id]
+            heapq.heappush(self.free, lease.seq)
+        if leases:
+            with self.store.transaction():
+                self.store.db.executemany("UPDATE tasks SET lease_id=NULL, holder=NULL WHERE seq=?",
+                                          [(lease.seq,) for lease in leases])
+        return leases
+
+    def release_holder(self, holder: str) -> list[Lease]:
+        return self._release([lease for lease in self.leases.values() if lease.holder == holder])
+
+    def expire(self, now: float) -> list[Lease]:
+        return self._release([lease for lease in self.leases.values() if lease.expires <= now])
+
+    def held_by(self, holder: str) -> int:
+        return sum(1 for lease in self.leases.values() if lease.holder == holder)

@@ -1,0 +1,116 @@
+"""The `rlbus` command line: one subcommand per process, plus tools.
+
+Kept thin on purpose: it parses the config, sets up logging, then imports the
+module that does the work, so `rlbus --help` answers at once and the broker
+never imports torch or vllm.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="rlbus: reinforcement fine-tuning of LLMs around a message broker.")
+config_app = typer.Typer(no_args_is_help=True, help="Inspect and check configuration.")
+app.add_typer(config_app, name="config")
+
+ConfigArg = Annotated[Optional[Path], typer.Argument(help="YAML config file (defaults if omitted).")]
+SetOpt = Annotated[Optional[list[str]], typer.Option("--set", "-s", help="Override a field: --set trainer.lr=1e-6")]
+
+
+def _load(config: Optional[Path], sets: Optional[list[str]]):
+    from common.config import ConfigError, load_config
+
+    try:
+        return load_config(config, sets or [])
+    except ConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+
+
+def _logging(cfg, component: str, **context):
+    from common.logging import setup_logging
+
+    return setup_logging(component, cfg.logging.level, cfg.logging.format, cfg.logging.file or None, **context)
+
+
+@app.command()
+def broker(config: ConfigArg = None, set: SetOpt = None,
+           port: Annotated[Optional[int], typer.Option(help="Request port (overrides broker.port).")] = None,
+           host: Annotated[Optional[str], typer.Option(help="Bind address (overrides broker.host).")] = None) -> None:
+    """Run the broker: task leases, durable replay buffer, weight-version bus."""
+    sets = list(set or [])
+    if port is not None:
+        sets.append(f"broker.port={port}")
+    if host is not None:
+        sets.append(f"broker.host={host}")
+    cfg = _load(config, sets)
+    _logging(cfg, "broker", peer="broker")
+    from broker.server import run
+
+    run(cfg)
+
+
+@app.command()
+def status(config: ConfigArg = None, set: SetOpt = None,
+           broker: Annotated[Optional[str], typer.Option(help="Broker address, e.g. tcp://HOST:5555.")] = None,
+           timeout: Annotated[float, typer.Option(help="Seconds to wait for the broker.")] = 5.0) -> None:
+    """Print the broker's STATUS (peers, versions, buffer depth, leases) as JSON."""
+    sets = list(set or [])
+    if broker:
+        sets.append(f"broker.address={broker}")
+    cfg = _load(config, sets)
+    from common.client import BrokerClient
+    from common.logging import setup_logging
+
+    setup_logging("status", "warning", "console", stream=sys.stderr)
+    client = BrokerClient(cfg.broker.address, "tool", curve_server_key=cfg.broker.curve_server_key,
+                          curve_client_key=cfg.broker.curve_client_key)
+    try:
+        client.start(timeout)
+        reply = client.request("STATUS", timeout=timeout)
+    except (TimeoutError, OSError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    finally:
+        client.close()
+    reply.header.pop("req", None)
+    typer.echo(json.dumps(reply.header, indent=2))
+
+
+@app.command()
+def keys(directory: Annotated[Path, typer.Argument(help="Where to write the key files.")],
+         name: Annotated[str, typer.Argument(help="Key name, e.g. broker or explorer-1.")]) -> None:
+    """Make a CurveZMQ key pair: NAME.key (public, give it to the other side) and NAME.key_secret."""
+    from common.curve import make_keys
+
+    public, secret = make_keys(directory, name)
+    typer.echo(f"public key: {public}\nsecret key: {secret}")
+
+
+@config_app.command("show")
+def config_show(config: ConfigArg = None, set: SetOpt = None) -> None:
+    """Print the effective configuration (defaults, file, environment, --set) as YAML."""
+    from common.config import dump_config
+
+    typer.echo(dump_config(_load(config, set)), nl=False)
+
+
+@config_app.command("check")
+def config_check(config: ConfigArg = None, set: SetOpt = None) -> None:
+    """Validate a configuration; exit 2 with the reason if it is not usable."""
+    _load(config, set)
+    typer.echo("ok")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

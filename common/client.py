@@ -1,0 +1,367 @@
+"""The broker client every rlbus peer uses.
+
+One background thread owns the DEALER socket (ZeroMQ sockets are not
+thread-safe) and, if asked, a SUB socket on the weight-version bus. Callers
+on any thread submit requests and get futures back. The thread:
+
+- says HELLO and waits for WELCOME; says it again whenever the broker answers
+  `not_registered` (the broker restarted) or falls silent for
+  `liveness × heartbeat_interval` (then it also reopens the socket, after a
+  capped exponential backoff with jitter);
+- sends HEARTBEATs while idle, so long generations or training steps never
+  look like a dead peer;
+- resends every request still waiting for its reply after each WELCOME:
+  PUTs are idempotent by trajectory id, so a resend can never store twice;
+- holds PUTs back while the broker's credit is used up, and resends the ids
+  an ACK deferred once credit returns: nothing is dropped.
+
+Request timeouts bound how long a caller waits; a PUT stays pending (and is
+resent) until it is acknowledged unless its caller gives up on it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import random
+import socket
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import structlog
+import zmq
+
+from common import protocol as P
+from common.curve import configure_client
+
+log = structlog.get_logger()
+
+
+class BrokerError(Exception):
+    """The broker answered ERROR."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+@dataclass(eq=False)
+class _Request:
+    command: str
+    header: dict[str, Any]
+    payloads: list[bytes]
+    future: Future = field(default_factory=Future)
+    req: int = 0
+    # PUT bookkeeping: results gathered across ACKs and deferrals.
+    stored: list[str] = field(default_factory=list)
+    duplicate: list[str] = field(default_factory=list)
+
+    @property
+    def size(self) -> int:
+        return len(self.payloads) if self.command == P.PUT else 0
+
+
+class BrokerClient:
+    def __init__(self, address: str, role: str, name: str | None = None, *, bus_address: str | None = None,
+                 heartbeat_interval_s: float = 1.0, liveness: int = 5, backoff_initial_s: float = 0.1,
+                 backoff_max_s: float = 5.0, policy_version: int = 0, capabilities: dict | None = None,
+                 curve_server_key: str = "", curve_client_key: str = "", max_in_flight: int = 8,
+                 on_weights: Callable[[dict], None] | None = None, ctx: zmq.Context | None = None):
+        self.address = address
+        self.bus_address = bus_address
+        self.role = role
+        self.name = name or f"{role}-{socket.gethostname()}-{os.getpid()}"
+        self.hb = heartbeat_interval_s
+        self.liveness = liveness
+        self.backoff_initial = backoff_initial_s
+        self.backoff_max = backoff_max_s
+        self.policy_version = policy_version
+        self.capabilities = capabilities or {}
+        self.curve = (curve_server_key, curve_client_key) if curve_server_key else None
+        self.max_in_flight = max_in_flight
+        self.on_weights = on_weights
+        self.ctx = ctx or zmq.Context.instance()
+        self.welcome: dict[str, Any] | None = None
+        self.weights: dict[str, Any] | None = None
+        self.credit = 0
+        self.reconnects = 0
+        self._ids = itertools.count(1)
+        self._outbox: deque[_Request] = deque()
+        self._lock = threading.Lock()
+        self._welcomed = threading.Event()
+        self._bye_sent = threading.Event()
+        self._stop = threading.Event()
+        self._wake_addr = f"inproc://rlbus-client-{id(self)}"
+        self._wake_rx = self.ctx.socket(zmq.PAIR)
+        self._wake_rx.bind(self._wake_addr)
+        self._wake_tx = self.ctx.socket(zmq.PAIR)
+        self._wake_tx.connect(self._wake_addr)
+        self._thread = threading.Thread(target=self._run, name=f"rlbus-client-{self.name}", daemon=True)
+
+    # ---- caller side ------------------------------------------------------
+
+    def start(self, timeout: float | None = 30.0) -> dict[str, Any]:
+        """Connect and wait for WELCOME; returns its header."""
+        self._thread.start()
+        if not self._welcomed.wait(timeout):
+            raise TimeoutError(f"no WELCOME from the broker at {self.address} within {timeout} s; is it running?")
+        assert self.welcome is not None
+        return self.welcome
+
+    def submit(self, command: str, header: dict[str, Any] | None = None,
+               payloads: list[bytes] | None = None) -> Future:
+        request = _Request(command, dict(header or {}), list(payloads or []))
+        with self._lock:
+            self._outbox.append(request)
+            self._wake_tx.send(b"", zmq.NOBLOCK)
+        return request.future
+
+    def request(self, command: str, header: dict[str, Any] | None = None, payloads: list[bytes] | None = None,
+                timeout: float | None = 30.0) -> P.Message:
+        """Send a request and wait for its reply; raises BrokerError on ERROR, TimeoutError on timeout."""
+        future = self.submit(command, header, payloads)
+        try:
+            return future.result(timeout)
+        except TimeoutError:
+            future.cancel()
+            raise TimeoutError(f"{command}: no reply from the broker within {timeout} s") from None
+
+    def put(self, items: list[tuple[dict[str, Any], bytes]], timeout: float | None = None) -> dict[str, list[str]]:
+        """Store trajectories; returns once all are durable at the broker ({stored, duplicate})."""
+        return self.put_async(items).result(timeout)
+
+    def put_async(self, items: list[tuple[dict[str, Any], bytes]]) -> Future:
+        return self.submit(P.PUT, {"trajectories": [m for m, _ in items]}, [p for _, p in items])
+
+    def close(self, bye: bool = True, timeout: float = 5.0) -> None:
+        """Say BYE (after pending requests are answered, up to `timeout`) and stop the thread."""
+        if self._thread.is_alive():
+            if bye:
+                self.submit(P.BYE)
+                deadline = time.monotonic() + timeout
+                while self._thread.is_alive() and time.monotonic() < deadline and not self._bye_sent.is_set():
+                    time.sleep(0.01)
+            self._stop.set()
+            with self._lock:
+                self._wake_tx.send(b"", zmq.NOBLOCK)
+            self._thread.join(timeout)
+        with self._lock:
+            self._wake_tx.close(0)
+        if not self._thread.is_alive():
+            self._wake_rx.close(0)
+
+    # ---- the I/O thread ---------------------------------------------------
+
+    def _open(self) -> None:
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, 0)
+        self.sock.setsockopt(zmq.RCVHWM, 0)
+        if self.curve:
+            configure_client(self.sock, *self.curve)
+        self.sock.connect(self.address)
+        self._connected_at = time.monotonic()
+        self._last_recv = time.monotonic()
+        self._send(P.HELLO, {"role": self.role, "name": self.name, "pid": os.getpid(), "host": socket.gethostname(),
+                             "policy_version": self.policy_version, "capabilities": self.capabilities})
+
+    def _open_bus(self) -> None:
+        self.sub = None
+        if self.bus_address:
+            self.sub = self.ctx.socket(zmq.SUB)
+            self.sub.setsockopt(zmq.LINGER, 0)
+            if self.curve:
+                configure_client(self.sub, *self.curve)
+            self.sub.setsockopt(zmq.SUBSCRIBE, P.TOPIC_WEIGHTS)
+            self.sub.connect(self.bus_address)
+
+    def _send(self, command: str, header: dict[str, Any], payloads: list[bytes] | None = None) -> None:
+        self.sock.send_multipart(P.encode(command, header, payloads), copy=False)
+        self._last_send = time.monotonic()
+
+    def _run(self) -> None:
+        self._pending: dict[int, _Request] = {}
+        self._held: deque[_Request] = deque()
+        self._welcome_ok = False
+        self._backoff = self.backoff_initial
+        self._last_send = 0.0
+        self._open()
+        self._open_bus()
+        try:
+            while not self._stop.is_set():
+                poller = zmq.Poller()
+                poller.register(self.sock, zmq.POLLIN)
+                poller.register(self._wake_rx, zmq.POLLIN)
+                if self.sub is not None:
+                    poller.register(self.sub, zmq.POLLIN)
+                events = dict(poller.poll(int(self.hb * 250)))
+                if self._wake_rx in events:
+                    while self._wake_rx.poll(0):
+                        self._wake_rx.recv()
+                    self._take_outbox()
+                if self.sock in events:
+                    while self.sock.poll(0):
+                        self._on_message(self.sock.recv_multipart())
+                if self.sub is not None and self.sub in events:
+                    while self.sub.poll(0):
+                        self._on_bus(self.sub.recv_multipart())
+                self._timers()
+        except Exception:  # a bug here must not leave callers waiting forever
+            log.exception("client_thread_failed", peer=self.name)
+            for request in [*self._pending.values(), *self._held, *self._outbox]:
+                if not request.future.done():
+                    request.future.set_exception(RuntimeError("broker client thread failed; see the log"))
+        finally:
+            self.sock.close(0)
+            if self.sub is not None:
+                self.sub.close(0)
+
+    def _take_outbox(self) -> None:
+        with self._lock:
+            batch = list(self._outbox)
+            self._outbox.clear()
+        for request in batch:
+            if request.future.cancelled():
+                continue
+            if request.command == P.BYE:
+                self._pending.clear()
+                if self._welcome_ok:
+                    self._send(P.BYE, {})
+                self._bye_sent.set()
+                continue
+            request.req = next(self._ids)
+            request.header["req"] = request.req
+            self._held.append(request)
+        self._flush()
+
+    def _flush(self) -> None:
+        """Send held requests in order while connected and credit allows."""
+        if not self._welcome_ok:
+            return
+        while self._held:
+            request = self._held[0]
+            if request.future.cancelled():
+                self._held.popleft()
+                continue
+            if request.command == P.PUT:
+                in_flight = sum(1 for r in self._pending.values() if r.command == P.PUT)
+                # Always allow one PUT in flight so a PUT larger than the whole credit still moves.
+                if in_flight >= self.max_in_flight or (in_flight and request.size > self.credit):
+                    return
+                if self.credit <= 0 and in_flight:
+                    return
+                self.credit -= request.size
+            self._held.popleft()
+            self._pending[request.req] = request
+            self._send(request.command, request.header, request.payloads)
+
+    def _on_message(self, frames: list[bytes]) -> None:
+        self._last_recv = time.monotonic()
+        try:
+            msg = P.decode(frames)
+        except P.ProtocolError as exc:
+            log.warning("bad_message_from_broker", code=exc.code, reason=exc.message)
+            return
+        h = msg.header
+        if msg.command == P.WELCOME:
+            return self._on_welcome(h)
+        if msg.command in (P.HEARTBEAT, P.CREDIT):
+            if "credit" in h:
+                self.credit = h["credit"] - sum(r.size for r in self._pending.values())
+            return self._flush()
+        request = self._pending.get(h.get("req", -1))
+        if msg.command == P.ERROR:
+            if h.get("code") == "not_registered":
+                log.info("broker_forgot_us", peer=self.name)
+                return self._rehello()
+            if request is None:
+                log.warning("broker_error", code=h.get("code"), message=h.get("message"))
+                return None
+        if request is None:
+            return None  # a late reply to a request already answered or given up
+        del self._pending[request.req]
+        if request.future.cancelled():
+            return self._flush()
+        if msg.command == P.ERROR:
+            request.future.set_exception(BrokerError(h.get("code", "?"), h.get("message", "")))
+        elif msg.command == P.ACK and request.command == P.PUT:
+            self._on_ack(request, h)
+        else:
+            request.future.set_result(msg)
+        self._flush()
+
+    def _on_ack(self, request: _Request, h: dict[str, Any]) -> None:
+        request.stored.extend(h.get("stored", []))
+        request.duplicate.extend(h.get("duplicate", []))
+        self.credit = h.get("credit", 0) - sum(r.size for r in self._pending.values())
+        deferred = set(h.get("deferred", []))
+        if not deferred:
+            request.future.set_result({"stored": request.stored, "duplicate": request.duplicate})
+            return
+        metas = request.header["trajectories"]
+        keep = [i for i, m in enumerate(metas) if m["id"] in deferred]
+        request.header = {"trajectories": [metas[i] for i in keep]}
+        request.payloads = [request.payloads[i] for i in keep]
+        request.req = next(self._ids)
+        request.header["req"] = request.req
+        self._held.appendleft(request)
+
+    def _on_welcome(self, h: dict[str, Any]) -> None:
+        self.welcome = h
+        self.credit = h.get("credit", 0)
+        if self.weights is None or h["weights"]["version"] >= self.weights["version"]:
+            self._set_weights(h["weights"])
+        self.hb = h.get("heartbeat_interval_s", self.hb)
+        self.liveness = h.get("liveness", self.liveness)
+        self._welcome_ok = True
+        self._backoff = self.backoff_initial
+        # Resend, in their original order, everything still waiting for a reply.
+        resend = sorted(self._pending.values(), key=lambda r: r.req)
+        self._pending.clear()
+        self._held.extendleft(reversed(resend))
+        if resend:
+            log.info("requests_resent", peer=self.name, n=len(resend))
+        self._welcomed.set()
+        self._flush()
+
+    def _on_bus(self, frames: list[bytes]) -> None:
+        if len(frames) != 3 or frames[1] != P.PROTOCOL:
+            return
+        try:
+            state = P.unpack(frames[2])
+        except Exception:
+            return
+        if self.weights is None or state.get("version", -1) > self.weights.get("version", -1):
+            self._set_weights(state)
+
+    def _set_weights(self, state: dict[str, Any]) -> None:
+        self.weights = state
+        if self.on_weights is not None:
+            self.on_weights(state)
+
+    def _rehello(self) -> None:
+        self._welcome_ok = False
+        self._connected_at = time.monotonic()
+        self._send(P.HELLO, {"role": self.role, "name": self.name, "pid": os.getpid(), "host": socket.gethostname(),
+                             "policy_version": self.policy_version, "capabilities": self.capabilities})
+
+    def _timers(self) -> None:
+        now = time.monotonic()
+        silent = now - self._last_recv
+        if silent > self.liveness * self.hb:
+            delay = min(self.backoff_max, self._backoff) * random.uniform(0.5, 1.0)
+            log.warning("broker_unreachable", peer=self.name, silent_s=round(silent, 2), retry_in_s=round(delay, 2))
+            self._stop.wait(delay)
+            self._backoff = min(self.backoff_max, self._backoff * 2)
+            self.sock.close(0)
+            self._welcome_ok = False
+            self.reconnects += 1
+            self._open()
+            return
+        if self._welcome_ok and now - self._last_send >= self.hb:
+            self._send(P.HEARTBEAT, {"policy_version": self.policy_version})

@@ -1,0 +1,290 @@
+"""Typed configuration for a whole rlbus run, one section per process.
+
+A run is described by one YAML file (see configs/). Any field can be
+overridden on the command line with a dotted path (`--set trainer.lr=1e-6`)
+and by environment variables (`RLBUS_BROKER__PORT=5555`, double underscore
+between levels), so containers can be configured without files. Precedence:
+defaults < YAML < environment < `--set`.
+
+Every field has a docstring and a default that works on one machine; a bad
+value fails with the field's dotted name, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(Exception):
+    """A configuration that cannot be used; the message says what to change."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+class ModelConfig(Section):
+    path: str = "smollm2-135m"
+    """Model to train and sample: a bundled name (`smollm2-135m`), a local HF model directory, or a hub id."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter dtype for training (float32 on CPU; bfloat16 on GPUs)."""
+    cache_dir: str = ""
+    """Where bundled models are prepared; empty means ~/.cache/rlbus/models."""
+
+
+class DataConfig(Section):
+    taskset: Literal["arith"] = "arith"
+    """Where tasks come from: `arith` generates a + b problems."""
+    seed: int = 0
+    """Seed of generated training tasks."""
+    max_operand: int = Field(20, ge=1)
+    """arith: operands are uniform integers in [0, max_operand]."""
+    batch_tasks: int = Field(4, ge=1)
+    """Tasks (prompts) per explorer batch; the trainer trains on this many groups per step."""
+    repeat: int = Field(8, ge=1)
+    """Samples generated per task (the group size)."""
+    max_tasks: int = Field(0, ge=0)
+    """Stop issuing tasks after this many (0: no limit; generated tasksets are endless)."""
+    eval_seed: int = 1234
+    """Seed of the held-out evaluation set."""
+    eval_size: int = Field(100, ge=0)
+    """Problems in the held-out evaluation set."""
+
+
+class AlgorithmConfig(Section):
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = "grpo"
+    """Advantage estimator."""
+    skip_zero_spread: bool = True
+    """Drop groups whose rewards are all equal before compute (no gradient under group-relative advantages)."""
+    fill_batch: bool = False
+    """Fetch further groups until the batch holds `batch_tasks` informative groups (dynamic sampling)."""
+
+
+class SyncConfig(Section):
+    sync_interval: int = Field(1, ge=1)
+    """I: the trainer publishes weights every I optimizer steps."""
+    sync_offset: int = Field(0, ge=0)
+    """O: explorer batches run ahead of the first sync."""
+    sync_style: Literal["lockstep", "async"] = "lockstep"
+    """lockstep: batch e waits for version >= floor((e - O)/I)*I; async: never wait, use the newest weights."""
+    max_staleness: int | None = Field(None, ge=0)
+    """S: a trajectory from version v is trained at step t only if t - v <= S. Default: O + I - 1 (lockstep), I + O + 1 (async)."""
+    sync_method: Literal["checkpoint", "nccl"] = "checkpoint"
+    """How explorers receive new weights."""
+    sync_timeout_s: float = Field(60.0, gt=0)
+    """Upper bound on every wait of a weight sync."""
+
+    @model_validator(mode="after")
+    def _staleness(self) -> "SyncConfig":
+        floor = self.sync_offset + self.sync_interval - 1
+        if self.max_staleness is None:
+            default = floor if self.sync_style == "lockstep" else floor + 2
+            object.__setattr__(self, "max_staleness", default)
+        elif self.sync_style == "lockstep" and self.max_staleness < floor:
+            raise ValueError(
+                f"max_staleness={self.max_staleness} is too small for lockstep with sync_interval="
+                f"{self.sync_interval} and sync_offset={self.sync_offset}: the oldest data is "
+                f"sync_offset + sync_interval - 1 = {floor} versions behind; set max_staleness >= {floor}"
+            )
+        return self
+
+    def required_version(self, batch_index: int) -> int:
+        """Lockstep: the oldest policy version allowed to generate explorer batch `batch_index`."""
+        return max(0, (batch_index - self.sync_offset) // self.sync_interval * self.sync_interval)
+
+
+class BufferConfig(Section):
+    dir: str = ""
+    """Data directory of the durable buffer; empty means `<run_dir>/buffer`."""
+    capacity: int = Field(20000, ge=1)
+    """Trajectories held and not yet committed; a full buffer slows explorers, it never drops data."""
+    fsync: Literal["group", "off"] = "group"
+    """group: fdatasync payloads and commit metadata before every ACK (survives power loss); off: survive process crashes only."""
+    segment_bytes: int = Field(256 << 20, ge=1 << 20)
+    """Roll over to a new payload segment file after this many bytes."""
+
+
+class BrokerConfig(Section):
+    host: str = "127.0.0.1"
+    """Address the broker binds (0.0.0.0 to serve other hosts)."""
+    port: int = Field(5555, ge=0, le=65535)
+    """Request (ROUTER) port; 0 picks a free port."""
+    pub_port: int = Field(5556, ge=0, le=65535)
+    """Weight-version bus (PUB) port; 0 picks a free port."""
+    heartbeat_interval_s: float = Field(1.0, gt=0)
+    """Seconds between heartbeats."""
+    liveness: int = Field(5, ge=2)
+    """Heartbeats missed before a peer is dropped (and its leases re-issued)."""
+    lease_timeout_s: float = Field(600.0, gt=0)
+    """A task lease not completed in this time is issued to someone else."""
+    republish_interval_s: float = Field(2.0, gt=0)
+    """The weight state is put on the bus again this often, for late subscribers."""
+    max_message_bytes: int = Field(64 << 20, ge=1 << 16)
+    """Largest message accepted; larger ones get ERROR too_large."""
+    max_payload_bytes: int = Field(16 << 20, ge=1 << 10)
+    """Largest single trajectory payload."""
+    curve_secret_key: str = ""
+    """Path of the broker's CurveZMQ secret key file; set it to require encryption and client keys."""
+    curve_authorized_dir: str = ""
+    """Directory of client public key files the broker accepts (with curve_secret_key)."""
+    address: str = "tcp://127.0.0.1:5555"
+    """Where clients reach the broker's request socket."""
+    pub_address: str = ""
+    """Where clients reach the bus; empty means the request address with pub_port."""
+    curve_server_key: str = ""
+    """Client side: path of the broker's public key file."""
+    curve_client_key: str = ""
+    """Client side: path of this client's secret key file (its public key must be listed at the broker)."""
+
+
+class ExplorerConfig(Section):
+    name: str = ""
+    """Peer name; empty means explorer-<host>-<pid>."""
+    tasks_per_lease: int = Field(4, ge=1)
+    """Tasks asked for per LEASE."""
+    temperature: float = Field(1.0, ge=0)
+    """Sampling temperature."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling."""
+    max_tokens: int = Field(24, ge=1)
+    """New tokens per response."""
+
+
+class TrainerConfig(Section):
+    lr: float = Field(1e-5, gt=0)
+    """Learning rate."""
+    total_steps: int = Field(100, ge=0)
+    """Optimizer steps in the run."""
+    checkpoint_every: int = Field(10, ge=0)
+    """Save a training checkpoint every K steps (0: never)."""
+    seed: int = 0
+    """Training seed."""
+
+
+class RewardConfig(Section):
+    fn: str = "arith"
+    """Reward by registered name or dotted path (`mypkg.rewards:score`)."""
+
+
+class LoggingConfig(Section):
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    """Lowest level written."""
+    format: Literal["auto", "json", "console"] = "auto"
+    """auto: readable on a terminal, JSON lines otherwise."""
+    file: str = ""
+    """Also append JSON lines to this file (empty: no file sink)."""
+
+
+class RunSection(Section):
+    name: str = "rlbus"
+    """Run name, used in the run directory and the run id."""
+    dir: str = "runs/default"
+    """Run directory: config snapshot, logs, buffer, weights, checkpoints, metrics."""
+
+
+class RunConfig(Section):
+    run: RunSection = RunSection()
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    sync: SyncConfig = SyncConfig()
+    buffer: BufferConfig = BufferConfig()
+    broker: BrokerConfig = BrokerConfig()
+    explorer: ExplorerConfig = ExplorerConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    reward: RewardConfig = RewardConfig()
+    logging: LoggingConfig = LoggingConfig()
+
+    def buffer_dir(self) -> Path:
+        return Path(self.buffer.dir) if self.buffer.dir else Path(self.run.dir) / "buffer"
+
+    def bus_address(self) -> str:
+        if self.broker.pub_address:
+            return self.broker.pub_address
+        base, _, _ = self.broker.address.rpartition(":")
+        return f"{base}:{self.broker.pub_port}"
+
+
+ENV_PREFIX = "RLBUS_"
+
+
+def _parse_scalar(text: str) -> Any:
+    """A command-line or environment value, read as YAML (so 1e-6, true, [1, 2] work)."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any, origin: str) -> None:
+    parts = [p for p in dotted.split(".") if p]
+    if not parts:
+        raise ConfigError(f"{origin}: empty key")
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{origin}: {dotted} goes through {part!r}, which is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _env_overrides(environ: dict[str, str]) -> list[tuple[str, Any, str]]:
+    out = []
+    for key, value in environ.items():
+        if key.startswith(ENV_PREFIX) and "__" in key:
+            dotted = key[len(ENV_PREFIX):].lower().replace("__", ".")
+            out.append((dotted, _parse_scalar(value), f"environment {key}"))
+    return out
+
+
+def _describe(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        where = ".".join(str(p) for p in e["loc"]) or "(root)"
+        got = e.get("input")
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            lines.append(f"{where}: unknown setting (check the spelling; `rlbus config show` lists every field)")
+        elif isinstance(got, dict):
+            lines.append(f"{where}: {msg}")
+        else:
+            lines.append(f"{where} = {got!r:.60}: {msg}")
+    return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+def load_config(path: str | Path | None = None, sets: list[str] | None = None,
+                environ: dict[str, str] | None = None) -> RunConfig:
+    """Load a RunConfig from YAML, environment and `key=value` overrides."""
+    tree: dict[str, Any] = {}
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist")
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {p} is not valid YAML: {exc}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {p} must hold a mapping of sections, got {type(loaded).__name__}")
+        tree = loaded
+    for dotted, value, origin in _env_overrides(dict(os.environ if environ is None else environ)):
+        _set_dotted(tree, dotted, value, origin)
+    for item in sets or []:
+        key, sep, text = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--set {item!r}: expected key=value, e.g. --set trainer.lr=1e-6")
+        _set_dotted(tree, key.strip(), _parse_scalar(text), f"--set {item}")
+    try:
+        return RunConfig.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(_describe(err)) from None
+
+
+def dump_config(cfg: RunConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,80 @@
+"""Structured logging for every rlbus process, configured in one place.
+
+Entrypoints call `setup_logging` once; library code only calls
+`structlog.get_logger()` and binds context. Output is JSON lines when stderr
+is not a terminal (containers, `rlbus up` child processes) and a readable
+console view when it is; an optional file sink always gets JSON lines, which
+`rlbus logs` and `rlbus timeline` read back. Event names are snake_case and
+values go in fields, never into the event string.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+import structlog
+
+_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
+
+
+class _Tee:
+    """Render each event once for the stream and once, as JSON, for the file."""
+
+    def __init__(self, stream: TextIO, console: bool, file: TextIO | None):
+        self._stream = stream
+        self._file = file
+        self._json = structlog.processors.JSONRenderer()
+        self._console = structlog.dev.ConsoleRenderer(colors=stream.isatty()) if console else None
+
+    def __call__(self, logger: Any, name: str, event: dict) -> str:
+        line = self._json(logger, name, dict(event))
+        if self._file is not None:
+            self._file.write(line + "\n")
+            self._file.flush()
+        if self._console is not None:
+            return self._console(logger, name, event)
+        return line
+
+
+def setup_logging(component: str, level: str = "info", fmt: str = "auto", file: str | Path | None = None,
+                  stream: TextIO | None = None, **context: Any) -> structlog.stdlib.BoundLogger:
+    """Configure structlog for this process and bind `component` and `context`."""
+    stream = stream or sys.stderr
+    console = fmt == "console" or (fmt == "auto" and stream.isatty())
+    sink = None
+    if file:
+        Path(file).parent.mkdir(parents=True, exist_ok=True)
+        sink = open(file, "a", buffering=1, encoding="utf-8")
+    structlog.reset_defaults()
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            _timestamp,
+            structlog.processors.StackInfoRenderer(),
+            structlog.processors.format_exc_info,
+            _Tee(stream, console, sink),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
+        logger_factory=structlog.PrintLoggerFactory(stream),
+        cache_logger_on_first_use=False,
+    )
+    structlog.contextvars.clear_contextvars()
+    structlog.contextvars.bind_contextvars(component=component, **context)
+    return structlog.get_logger()
+
+
+def _timestamp(_: Any, __: str, event: dict) -> dict:
+    # Unix seconds as a float: exact for merging logs of several processes in
+    # time order, and for timelines; `rlbus logs` shows it readably.
+    event["ts"] = round(time.time(), 6)
+    return event
+
+
+def bind(**context: Any) -> None:
+    """Bind context (peer, policy_version, step) for every later event of this process."""
+    structlog.contextvars.bind_contextvars(**context)

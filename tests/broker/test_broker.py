@@ -1,0 +1,161 @@
+"""Broker behaviour over real sockets against a real broker process."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from common import protocol as P
+from common.client import BrokerError
+from tests.conftest import group, recv
+
+
+def status(c) -> dict:
+    return c.request(P.STATUS).header
+
+
+def wait_for(pred, timeout=10.0, every=0.05):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(every)
+    return False
+
+
+def test_join_status_and_leave(broker, clients):
+    """HELLO registers a peer, STATUS lists it, BYE removes it at once."""
+    a = clients(broker, "explorer", "ex-a")
+    t = clients(broker, "tool", "tool-1")
+    names = {p["name"] for p in status(t)["peers"]}
+    assert {"ex-a", "tool-1"} <= names
+    assert a.welcome["weights"]["version"] == 0
+    a.close(bye=True)
+    assert wait_for(lambda: "ex-a" not in {p["name"] for p in status(t)["peers"]}, 3)
+
+
+def test_silent_peer_expires_and_its_leases_return(broker, clients, raw_dealer):
+    """A peer that stops heartbeating is dropped after liveness x interval; its leases are re-issued."""
+    sock = raw_dealer(broker.address)
+    sock.send_multipart(P.encode(P.HELLO, {"role": "explorer", "name": "mute", "req": 1}))
+    assert recv(sock).command == P.WELCOME
+    sock.send_multipart(P.encode(P.LEASE, {"req": 2, "max_tasks": 2, "policy_version": 0}))
+    leased = recv(sock)
+    assert leased.command == P.TASKS
+    seqs = sorted(t["seq"] for t in leased.header["tasks"])
+    tool = clients(broker, "tool", "watcher")
+    assert wait_for(lambda: "mute" not in {p["name"] for p in status(tool)["peers"]}, 5)
+    other = clients(broker, "explorer", "ex-b")
+    again = other.request(P.LEASE, {"max_tasks": 2, "policy_version": 0})
+    assert sorted(t["seq"] for t in again.header["tasks"]) == seqs
+    assert all(t["lease_id"].endswith(".1") for t in again.header["tasks"])
+
+
+def test_expired_lease_is_reissued(broker_factory, clients):
+    """A lease not completed within lease_timeout goes to the next explorer."""
+    b = broker_factory("broker.lease_timeout_s=0.5")
+    a = clients(b, "explorer", "slow")
+    first = a.request(P.LEASE, {"max_tasks": 1, "policy_version": 0}).header["tasks"][0]
+    time.sleep(1.0)
+    other = clients(b, "explorer", "fast")
+    got = other.request(P.LEASE, {"max_tasks": 1, "policy_version": 0}).header["tasks"][0]
+    assert got["seq"] == first["seq"] and got["lease_id"] != first["lease_id"]
+
+
+def test_duplicate_puts_are_stored_once(broker, clients):
+    """Resending the same trajectory ids is ACKed as duplicate and stored once."""
+    c = clients(broker, "explorer", "dup")
+    items = group("g1", size=3)
+    first = c.put(items, timeout=5)
+    second = c.put(items, timeout=5)
+    assert sorted(first["stored"]) == ["g1.0", "g1.1", "g1.2"]
+    assert second["stored"] == [] and sorted(second["duplicate"]) == ["g1.0", "g1.1", "g1.2"]
+    assert status(c)["buffer"]["stored"] == 3
+
+
+def test_fetch_commit_and_redelivery_after_trainer_restart(broker_factory, clients):
+    """An uncommitted batch is delivered again for the same step; a committed one never."""
+    broker = broker_factory("sync.max_staleness=4")
+    ex = clients(broker, "explorer", "ex")
+    for i in range(3):
+        ex.put(group(f"g{i}", size=2), timeout=5)
+    tr = clients(broker, "trainer", "tr")
+    b0 = tr.request(P.FETCH, {"step": 0, "max_groups": 2, "min_groups": 2})
+    assert b0.command == P.BATCH
+    ids0 = [g["group_id"] for g in b0.header["groups"]]
+    assert ids0 == ["g0", "g1"]
+    assert b0.payloads[0] == b"payload-of-g0.0" and len(b0.payloads) == 4
+    tr.close(bye=True)
+    tr2 = clients(broker, "trainer", "tr-restarted")
+    again = tr2.request(P.FETCH, {"step": 0, "max_groups": 2, "min_groups": 2})
+    assert [g["group_id"] for g in again.header["groups"]] == ids0
+    assert tr2.request(P.COMMIT, {"step": 0}).command == P.OK
+    b1 = tr2.request(P.FETCH, {"step": 1, "max_groups": 2, "min_groups": 1})
+    assert [g["group_id"] for g in b1.header["groups"]] == ["g2"]
+    with pytest.raises(BrokerError, match="conflict"):
+        tr2.request(P.FETCH, {"step": 0, "max_groups": 2})
+
+
+def test_fetch_excludes_stale_and_zero_spread_groups(broker_factory, clients):
+    """Groups older than max_staleness for the step, and all-equal-reward groups, are never delivered."""
+    b = broker_factory("sync.sync_style=async", "sync.max_staleness=2")
+    ex = clients(b, "explorer", "ex")
+    ex.put(group("old", version=0), timeout=5)
+    ex.put(group("flat", version=5, rewards=[1.0, 1.0]), timeout=5)
+    ex.put(group("fresh", version=4), timeout=5)
+    tr = clients(b, "trainer", "tr")
+    batch = tr.request(P.FETCH, {"step": 6, "max_groups": 8, "skip_zero_spread": True})
+    assert [g["group_id"] for g in batch.header["groups"]] == ["fresh"]
+    assert batch.header["expired"] == 2 and batch.header["skipped"] == 2
+    for g in batch.header["groups"]:
+        assert all(6 - t["policy_version"] <= 2 for t in g["trajectories"])
+
+
+def test_incomplete_group_is_not_fetched_and_held_fetch_wakes(broker, clients):
+    """Only complete groups are fetched; a FETCH with wait_ms is answered when the group completes."""
+    ex = clients(broker, "explorer", "ex")
+    items = group("g", size=2)
+    ex.put(items[:1], timeout=5)
+    tr = clients(broker, "trainer", "tr")
+    assert tr.request(P.FETCH, {"step": 0, "max_groups": 1}).command == P.EMPTY
+    pending = tr.submit(P.FETCH, {"step": 0, "max_groups": 1, "wait_ms": 5000})
+    time.sleep(0.2)
+    assert not pending.done()
+    ex.put(items[1:], timeout=5)
+    reply = pending.result(5)
+    assert reply.command == P.BATCH and reply.header["groups"][0]["group_id"] == "g"
+
+
+def test_publish_reaches_bus_and_welcome(broker, clients):
+    """PUBLISH puts the weight state on the bus and into every later WELCOME."""
+    ex = clients(broker, "explorer", "ex")
+    tr = clients(broker, "trainer", "tr")
+    tr.request(P.PUBLISH, {"version": 3, "method": "checkpoint", "location": "/w/v3", "digest": "abc", "step": 3})
+    assert wait_for(lambda: ex.weights and ex.weights["version"] == 3, 5)
+    late = clients(broker, "explorer", "late")
+    assert late.welcome["weights"]["location"] == "/w/v3"
+
+
+def test_only_the_trainer_fetches_and_one_trainer_at_a_time(broker, clients):
+    ex = clients(broker, "explorer", "ex")
+    with pytest.raises(BrokerError, match="bad_role"):
+        ex.request(P.FETCH, {"step": 0, "max_groups": 1})
+    clients(broker, "trainer", "t1")
+    with pytest.raises(Exception, match="conflict|WELCOME"):
+        clients(broker, "trainer", "t2")
+
+
+def test_full_buffer_defers_puts_and_refuses_leases_without_dropping(broker_factory, clients):
+    """At capacity, PUTs wait for credit and LEASE says buffer_full; committing frees room and they go on."""
+    b = broker_factory("buffer.capacity=4", "data.repeat=2")
+    ex = clients(b, "explorer", "ex")
+    ex.put(group("a") + group("b"), timeout=5)
+    assert ex.request(P.LEASE, {"max_tasks": 1, "policy_version": 0}).header["reason"] == "buffer_full"
+    pending = ex.put_async(group("c"))
+    time.sleep(0.5)
+    assert not pending.done()
+    tr = clients(b, "trainer", "tr")
+    tr.request(P.FETCH, {"step": 0, "max_groups": 2})
+    tr.request(P.COMMIT, {"step": 0})
+    assert sorted(pending.result(5)["stored"]) == ["c.0", "c.1"]

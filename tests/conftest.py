@@ -1,0 +1,150 @@
+"""Shared fixtures: real broker processes on random loopback ports, stopped by pid."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+
+from common import protocol as P
+from common.client import BrokerClient
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class BrokerProcess:
+    """`rlbus broker` in a child process on loopback, with its own data directory."""
+
+    def __init__(self, data_dir: Path, sets: list[str] | None = None):
+        self.data_dir = data_dir
+        self.port = free_port()
+        self.pub_port = free_port()
+        self.sets = [f"broker.port={self.port}", f"broker.pub_port={self.pub_port}", "broker.host=127.0.0.1",
+                     f"buffer.dir={data_dir}", f"run.dir={data_dir}", "broker.heartbeat_interval_s=0.2",
+                     "broker.liveness=5", "logging.format=json", f"logging.file={data_dir}/broker.jsonl",
+                     *(sets or [])]
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> str:
+        return f"tcp://127.0.0.1:{self.port}"
+
+    @property
+    def bus(self) -> str:
+        return f"tcp://127.0.0.1:{self.pub_port}"
+
+    def start(self, timeout: float = 20.0) -> "BrokerProcess":
+        endpoints = self.data_dir / "endpoints.json"
+        if endpoints.exists():
+            endpoints.unlink()
+        args = [sys.executable, "-m", "common.cli", "broker"]
+        for s in self.sets:
+            args += ["--set", s]
+        self.proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if endpoints.exists() and json.loads(endpoints.read_text())["pid"] == self.proc.pid:
+                return self
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"broker exited: {self.proc.stderr.read().decode()[-2000:]}")
+            time.sleep(0.05)
+        raise TimeoutError("broker did not start")
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        self.kill(signal.SIGTERM)
+
+    def log_events(self) -> list[dict]:
+        path = self.data_dir / "broker.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+@pytest.fixture
+def broker_factory(tmp_path):
+    started: list[BrokerProcess] = []
+
+    def make(*sets: str, data_dir: Path | None = None) -> BrokerProcess:
+        b = BrokerProcess(data_dir or tmp_path / f"broker{len(started)}", list(sets))
+        b.data_dir.mkdir(parents=True, exist_ok=True)
+        started.append(b)
+        return b.start()
+
+    yield make
+    for b in started:
+        b.kill()
+
+
+@pytest.fixture
+def broker(broker_factory):
+    return broker_factory()
+
+
+@pytest.fixture
+def clients():
+    made: list[BrokerClient] = []
+
+    def make(b: BrokerProcess, role: str = "explorer", name: str | None = None, **kw) -> BrokerClient:
+        kw.setdefault("heartbeat_interval_s", 0.2)
+        kw.setdefault("backoff_max_s", 0.5)
+        c = BrokerClient(b.address, role, name, bus_address=b.bus, **kw)
+        made.append(c)
+        c.start(10)
+        return c
+
+    yield make
+    for c in made:
+        c.close(bye=False, timeout=1)
+
+
+def traj(tid: str, group: str, size: int = 2, version: int = 0, reward: float = 0.0, batch: int = 0,
+         payload: bytes | None = None) -> tuple[dict, bytes]:
+    """One trajectory's metadata and payload, as an explorer would PUT it."""
+    meta = {"id": tid, "group_id": group, "task_id": group, "group_size": size, "batch_index": batch,
+            "policy_version": version, "reward": reward, "n_tokens": 4}
+    return meta, payload if payload is not None else f"payload-of-{tid}".encode()
+
+
+def group(gid: str, size: int = 2, version: int = 0, rewards: list[float] | None = None, batch: int = 0):
+    rewards = rewards or [float(i) for i in range(size)]
+    return [traj(f"{gid}.{i}", gid, size, version, rewards[i], batch) for i in range(size)]
+
+
+@pytest.fixture
+def raw_dealer():
+    """A bare DEALER for sending hand-made (and malformed) frames."""
+    ctx = zmq.Context.instance()
+    socks = []
+
+    def make(address: str) -> zmq.Socket:
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.RCVTIMEO, 5000)
+        s.connect(address)
+        socks.append(s)
+        return s
+
+    yield make
+    for s in socks:
+        s.close(0)
+
+
+def recv(sock: zmq.Socket) -> P.Message:
+    return P.decode(sock.recv_multipart())
