@@ -1,0 +1,62 @@
+"""Every kind of bad frame gets an ERROR reply, and the broker keeps serving everyone else."""
+
+from __future__ import annotations
+
+import pytest
+
+from common import protocol as P
+from tests.conftest import group, recv
+
+
+def hello(sock, name="raw"):
+    sock.send_multipart(P.encode(P.HELLO, {"role": "explorer", "name": name, "req": 1}))
+    assert recv(sock).command == P.WELCOME
+
+
+CASES = {
+    "too_few_frames": ([P.PROTOCOL, b"HELLO"], "malformed"),
+    "wrong_version": ([b"rlbus/0", b"HELLO", P.pack({})], "bad_version"),
+    "not_msgpack": ([P.PROTOCOL, b"STATUS", b"\xc1\xc1\xc1"], "malformed"),
+    "header_not_map": ([P.PROTOCOL, b"STATUS", P.pack([1, 2])], "malformed"),
+    "unknown_command": ([P.PROTOCOL, b"EXPLODE", P.pack({"req": 5})], "unknown_command"),
+    "wrong_type": ([P.PROTOCOL, b"LEASE", P.pack({"req": 6, "max_tasks": "four", "policy_version": 0})],
+                   "bad_field"),
+    "missing_field": ([P.PROTOCOL, b"LEASE", P.pack({"req": 7})], "bad_field"),
+    "nan_reward": (P.encode(P.PUT, {"req": 8, "trajectories": [{**group("n")[0][0], "reward": float("nan")}]},
+                            [b"x"]), "bad_field"),
+    "payload_count_mismatch": (P.encode(P.PUT, {"req": 9, "trajectories": [group("m")[0][0]]}, []), "bad_field"),
+    "oversized_message": (P.encode(P.PUT, {"req": 10, "trajectories": [group("big")[0][0]]},
+                                   [b"\0" * (1 << 17)]), "too_large"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_frame_gets_error_and_broker_goes_on(broker_factory, raw_dealer, clients, case):
+    b = broker_factory("broker.max_message_bytes=65536")
+    sock = raw_dealer(b.address)
+    hello(sock)
+    frames, code = CASES[case]
+    sock.send_multipart(frames)
+    reply = recv(sock)
+    assert reply.command == P.ERROR and reply.header["code"] == code, reply.header
+    assert reply.header["message"]
+    # The same broker still serves a well-behaved peer, and the bad one too.
+    good = clients(b, "explorer", "good")
+    assert good.put(group("ok"), timeout=5)["stored"] == ["ok.0", "ok.1"]
+    sock.send_multipart(P.encode(P.STATUS, {"req": 99}))
+    assert recv(sock).header["req"] == 99
+    assert any(e["event"] == "bad_message" and e["code"] == code for e in b.log_events())
+
+
+def test_request_before_hello_is_refused(broker, raw_dealer):
+    sock = raw_dealer(broker.address)
+    sock.send_multipart(P.encode(P.LEASE, {"req": 1, "max_tasks": 1, "policy_version": 0}))
+    reply = recv(sock)
+    assert reply.header["code"] == "not_registered" and reply.header["req"] == 1
+
+
+def test_bad_role_in_hello(broker, raw_dealer):
+    sock = raw_dealer(broker.address)
+    sock.send_multipart(P.encode(P.HELLO, {"role": "emperor", "name": "x", "req": 1}))
+    reply = recv(sock)
+    assert reply.header["code"] == "bad_field" and "role" in reply.header["message"]

@@ -1,0 +1,38 @@
+"""CurveZMQ: with keys configured, only listed clients get through."""
+
+from __future__ import annotations
+
+import pytest
+
+from common import protocol as P
+from common.client import BrokerClient
+from common.curve import make_keys
+
+
+@pytest.fixture
+def keys(tmp_path):
+    make_keys(tmp_path / "broker", "broker")
+    make_keys(tmp_path / "authorized", "alice")
+    make_keys(tmp_path / "outsider", "mallory")
+    return tmp_path
+
+
+def test_listed_client_talks_unlisted_gets_nothing(broker_factory, keys):
+    b = broker_factory(f"broker.curve_secret_key={keys}/broker/broker.key_secret",
+                       f"broker.curve_authorized_dir={keys}/authorized")
+    alice = BrokerClient(b.address, "tool", "alice", bus_address=b.bus, heartbeat_interval_s=0.2,
+                         curve_server_key=f"{keys}/broker/broker.key",
+                         curve_client_key=f"{keys}/authorized/alice.key_secret")
+    mallory = BrokerClient(b.address, "tool", "mallory", heartbeat_interval_s=0.2,
+                           curve_server_key=f"{keys}/broker/broker.key",
+                           curve_client_key=f"{keys}/outsider/mallory.key_secret")
+    plain = BrokerClient(b.address, "tool", "plain", heartbeat_interval_s=0.2)
+    try:
+        alice.start(10)
+        assert alice.request(P.STATUS, timeout=5).command == P.STATUS
+        for outsider in (mallory, plain):
+            with pytest.raises(TimeoutError):
+                outsider.start(1.5)
+    finally:
+        for c in (alice, mallory, plain):
+            c.close(bye=False, timeout=1)
