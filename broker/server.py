@@ -25,6 +25,7 @@ import zmq
 
 from broker.store import Group, Store
 from broker.tasks import TaskQueue
+from broker.writer import Writer
 from common import protocol as P
 from common.config import RunConfig
 from common.curve import load_server_auth
@@ -61,7 +62,7 @@ class Broker:
         bcfg = cfg.broker
         self.hb = bcfg.heartbeat_interval_s
         self.expiry = bcfg.liveness * self.hb
-        self.store = Store(cfg.buffer_dir(), cfg.buffer.fsync, cfg.buffer.segment_bytes)
+        self.store = Store(cfg.buffer_dir(), cfg.buffer.fsync, cfg.buffer.segment_bytes, cfg.buffer.cache_mb << 20)
         self.run_id = self.store.get_meta("run_id") or f"{cfg.run.name}-{uuid.uuid4().hex[:8]}"
         self.store.set_meta("run_id", self.run_id)
         self.weights = self.store.get_meta("weights") or {
@@ -71,6 +72,8 @@ class Broker:
         self.peers: dict[bytes, Peer] = {}
         self.by_name: dict[str, Peer] = {}
         self.held: list[HeldFetch] = []
+        self.blocked: list[tuple[bytes, P.Message]] = []
+        self.writer = Writer(self.store, self.ctx)
         self._auth = None
         self.router = self.ctx.socket(zmq.ROUTER)
         self.pub = self.ctx.socket(zmq.PUB)
@@ -107,9 +110,13 @@ class Broker:
                  curve=self._auth is not None)
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
+        poller.register(self.writer.done, zmq.POLLIN)
         end = None if stop_after is None else time.monotonic() + stop_after
         while self._running and (end is None or time.monotonic() < end):
-            if poller.poll(self._poll_timeout_ms()):
+            events = dict(poller.poll(self._poll_timeout_ms()))
+            if self.writer.done in events:
+                self._written()
+            if self.router in events:
                 self._drain()
             self._tick()
         self.close()
@@ -164,7 +171,7 @@ class Broker:
 
     def _send(self, identity: bytes, frames: list[bytes]) -> None:
         try:
-            self.router.send_multipart([identity, *frames], zmq.NOBLOCK, copy=False)
+            self.router.send_multipart([identity, *frames], zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # peer gone: nothing to deliver to
             log.debug("send_failed", error=str(exc))
             return
@@ -284,50 +291,72 @@ class Broker:
 
     def _store_puts(self, puts: list[tuple[bytes, P.Message]]) -> None:
         limit = self.cfg.broker.max_payload_bytes
-        items: list[tuple[dict, bytes]] = []
+        batches: list[list[tuple[dict, bytes]]] = []
         accepted: list[tuple[bytes, P.Message, list[str]]] = []
         room = self._credit()
+        known = self.store.ids
         for identity, msg in puts:
             peer = self.peers.get(identity)
             if peer is None:
                 self._reply(identity, msg, P.ERROR, {"code": "not_registered", "message": "say HELLO first"})
                 continue
             metas = msg.header["trajectories"]
-            too_big = next((m["id"] for m, p in zip(metas, msg.payloads) if len(p) > limit), None)
+            too_big = next((m["id"] for m in metas if m["payload_bytes"] > limit), None)
             if too_big is not None:
                 self._bad(identity, P.ProtocolError("too_large", f"payload of {too_big} exceeds {limit} bytes"),
                           [P.PROTOCOL, b"PUT", P.pack({"req": msg.header.get("req")})])
                 continue
-            known = [m["id"] for m in metas if m["id"] in self.store.ids]
-            fresh = len(metas) - len(known)
-            if fresh and fresh > room:
+            ids = [m["id"] for m in metas]
+            if not self.store.pending_ids.isdisjoint(ids):
+                # A resend of ids still being written: answer once those are durable.
+                self.blocked.append((identity, msg))
+                continue
+            fresh = sum(1 for i in ids if i not in known)
+            if fresh > room:
                 peer.starved = True
-                self._reply(identity, msg, P.ACK, {"stored": [], "duplicate": known,
-                                                   "deferred": [m["id"] for m in metas if m["id"] not in self.store.ids],
+                self._reply(identity, msg, P.ACK, {"stored": [], "duplicate": [i for i in ids if i in known],
+                                                   "deferred": [i for i in ids if i not in known],
                                                    "credit": 0, "depth": self.store.depth})
                 continue
             room -= fresh
-            for meta, payload in zip(metas, msg.payloads):
+            for meta in metas:
                 meta["explorer"] = peer.name
-                items.append((meta, payload))
-            accepted.append((identity, msg, [m["id"] for m in metas]))
-        if not items:
+            batches.append(list(zip(metas, P.split_payloads(metas, msg.payloads[0]))))
+            accepted.append((identity, msg, ids))
+        if not batches:
             return
-        stored, duplicate, completed = self.store.put(items)
-        for group in completed:
-            self.tasks.complete(group.group_id)
-        stored_set = set(stored)
+        job = self.store.prepare(batches)
+        if job is None:  # every id is durable already
+            return self._ack(accepted, set())
+        job.acks = accepted
+        self.writer.submit(job)
+
+    def _ack(self, accepted: list[tuple[bytes, P.Message, list[str]]], stored: set[str]) -> None:
         credit = self._credit()
         for identity, msg, ids in accepted:
-            mine_stored = [i for i in ids if i in stored_set]
-            stored_set.difference_update(mine_stored)
-            self._reply(identity, msg, P.ACK, {"stored": mine_stored,
-                                               "duplicate": [i for i in ids if i not in mine_stored],
+            mine = [i for i in ids if i in stored]
+            self._reply(identity, msg, P.ACK, {"stored": mine, "duplicate": [i for i in ids if i not in stored],
                                                "deferred": [], "credit": credit, "depth": self.store.depth})
-        if stored:
-            log.debug("stored", n=len(stored), duplicate=len(duplicate), groups_completed=len(completed),
-                      depth=self.store.depth)
-        if self.held and completed:
+
+    def _written(self) -> None:
+        """Group commits the writer finished: ACK them, or refuse them if the disk failed."""
+        any_completed = False
+        for job, error in self.writer.completed():
+            if error:
+                self.store.abandon(job)
+                for identity, msg, _ in job.acks:
+                    self._reply(identity, msg, P.ERROR, {"code": "storage_error",
+                                                         "message": f"not stored, resend later: {error}"})
+                continue
+            completed = self.store.finish(job)
+            for group in completed:
+                self.tasks.complete(group.group_id)
+            any_completed |= bool(completed)
+            self._ack(job.acks, job.ids)
+        if self.blocked:
+            blocked, self.blocked = self.blocked, []
+            self._store_puts(blocked)
+        if self.held and any_completed:
             self._serve_held()
 
     # ---- trainer ----------------------------------------------------------
@@ -336,8 +365,7 @@ class Broker:
         h = msg.header
         step = h["step"]
         if step > self.trainer_step:
-            self.trainer_step = step
-            self.store.set_meta("trainer_step", step)
+            self.trainer_step = step  # made durable with the batch delivered for it
         again = self.store.delivered(step)
         if again is not None:
             log.info("batch_redelivered", step=step, groups=len(again))
@@ -366,20 +394,17 @@ class Broker:
         enough = len(groups) >= h.get("min_groups", 1) or (batch_index is not None)
         if not enough:
             return False
-        self.store.deliver(step, groups)
+        self.store.deliver(step, groups, {"trainer_step": self.trainer_step})
         self._send_batch(identity, msg, step, groups, expired, skipped)
         return True
 
     def _send_batch(self, identity: bytes, msg: P.Message, step: int, groups: list[Group],
                     expired: int, skipped: int) -> None:
-        payloads: list[bytes] = []
-        out = []
-        for group in groups:
-            out.append({"group_id": group.group_id, "batch_index": group.batch_index,
-                        "trajectories": [t.meta for t in group.trajs]})
-            payloads.extend(self.store.payload(t) for t in group.trajs)
+        out = [{"group_id": g.group_id, "batch_index": g.batch_index, "trajectories": [t.meta for t in g.trajs]}
+               for g in groups]
+        frame = b"".join(self.store.payload(t) for g in groups for t in g.trajs)
         self._reply(identity, msg, P.BATCH, {"step": step, "groups": out, "expired": expired, "skipped": skipped},
-                    payloads)
+                    [frame])
 
     def _empty(self, identity: bytes, msg: P.Message, expired: int, skipped: int) -> None:
         self._reply(identity, msg, P.EMPTY, {"step": msg.header["step"], "reason": "not_enough_ready_groups",
@@ -474,6 +499,9 @@ class Broker:
 
     def close(self) -> None:
         log.info("broker_stopping", depth=self.store.depth, peers=len(self.peers))
+        self.writer.stop()
+        self._written()
+        self.writer.done.close(0)
         self.router.close(0)
         self.pub.close(0)
         if self._auth is not None:

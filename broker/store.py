@@ -27,21 +27,21 @@ from typing import Any, Iterable, Iterator
 
 from common.protocol import pack, unpack
 
-# Group states.
+# Group states. FILLING and READY are derived from how many samples are
+# stored; the others are recorded in the batches and retired tables.
 FILLING, READY, DELIVERED, COMMITTED, EXPIRED, SKIPPED = range(6)
-_RETIRED = (COMMITTED, EXPIRED, SKIPPED)
+_RETIRED = {COMMITTED: "committed", EXPIRED: "expired", SKIPPED: "skipped"}
 
+# One `chunks` row per group commit of one PUT message: the metadata of its
+# trajectories, packed together, whose payloads lie back to back in the
+# segment from `offset`. Writing per message rather than per trajectory is
+# what lets SQLite keep up with ZeroMQ.
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value BLOB);
-CREATE TABLE IF NOT EXISTS trajectories (
-    rowid INTEGER PRIMARY KEY, id TEXT NOT NULL UNIQUE, group_id TEXT NOT NULL,
-    policy_version INTEGER NOT NULL, reward REAL NOT NULL,
-    segment INTEGER NOT NULL, offset INTEGER NOT NULL, length INTEGER NOT NULL, crc INTEGER NOT NULL,
-    meta BLOB NOT NULL);
-CREATE TABLE IF NOT EXISTS groups (
-    group_id TEXT PRIMARY KEY, batch_index INTEGER NOT NULL, group_size INTEGER NOT NULL,
-    state INTEGER NOT NULL, step INTEGER);
-CREATE TABLE IF NOT EXISTS batches (step INTEGER PRIMARY KEY, committed INTEGER NOT NULL DEFAULT 0);
+CREATE TABLE IF NOT EXISTS chunks (
+    rowid INTEGER PRIMARY KEY, segment INTEGER NOT NULL, offset INTEGER NOT NULL, entries BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS batches (step INTEGER PRIMARY KEY, groups BLOB NOT NULL, committed INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS retired (rowid INTEGER PRIMARY KEY, state INTEGER NOT NULL, groups BLOB NOT NULL);
 CREATE TABLE IF NOT EXISTS tasks (
     seq INTEGER PRIMARY KEY, lease_id TEXT, holder TEXT, expires REAL, attempt INTEGER NOT NULL,
     done INTEGER NOT NULL DEFAULT 0);
@@ -58,6 +58,17 @@ class Traj:
     length: int
     crc: int
     meta: dict[str, Any]
+    data: bytes | memoryview | None = None  # payload kept in memory until retired, within the cache budget
+
+
+@dataclass(slots=True)
+class WriteJob:
+    """Trajectories of one group commit: one chunk (a `chunks` row) per PUT message."""
+
+    chunks: list[list[Traj]] = field(default_factory=list)
+    ids: set[str] = field(default_factory=set)
+    number: int = 0
+    acks: list[Any] = field(default_factory=list)  # the loop's bookkeeping: who to ACK when durable
 
 
 @dataclass(slots=True)
@@ -82,15 +93,19 @@ class Group:
 class Store:
     """Durable trajectories, groups and batches; see the module docstring."""
 
-    def __init__(self, directory: str | Path, fsync: str = "group", segment_bytes: int = 256 << 20):
+    def __init__(self, directory: str | Path, fsync: str = "group", segment_bytes: int = 256 << 20,
+                 cache_bytes: int = 512 << 20):
         self.dir = Path(directory)
         (self.dir / "segments").mkdir(parents=True, exist_ok=True)
         self.fsync = fsync == "group"
         self.segment_bytes = segment_bytes
-        self.db = sqlite3.connect(self.dir / "buffer.sqlite3", isolation_level=None, check_same_thread=False)
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute(f"PRAGMA synchronous={'FULL' if self.fsync else 'NORMAL'}")
+        self.cache_budget = cache_bytes
+        self.cached = 0
+        self.db = self._connect()
         self.db.executescript(_SCHEMA)
+        self._wdb: sqlite3.Connection | None = None
+        self._wfd: tuple[int, int] | None = None
+        self.pending_ids: set[str] = set()
         self.ids: set[str] = set()
         self.groups: dict[str, Group] = {}
         self.ready: dict[str, Group] = {}
@@ -99,36 +114,41 @@ class Store:
         self.counts = {"stored": 0, "committed": 0, "expired": 0, "skipped": 0}
         self._readers: dict[int, int] = {}
         self._recover()
+        # Each start appends to a new segment, past any bytes a crash left unreferenced.
         existing = [int(p.stem) for p in (self.dir / "segments").glob("*.seg")]
-        self._open_segment(max(existing, default=-1) + 1)
+        self.segment, self._offset = max(existing, default=-1) + 1, 0
 
     # ---- start-up ---------------------------------------------------------
 
     def _recover(self) -> None:
-        for gid, batch_index, size, state, step in self.db.execute(
-                "SELECT group_id, batch_index, group_size, state, step FROM groups"):
-            self.groups[gid] = Group(gid, batch_index, size, state, step)
-        for row in self.db.execute("SELECT rowid, id, group_id, policy_version, reward, segment, offset, length, crc, meta "
-                                   "FROM trajectories ORDER BY rowid"):
-            traj = Traj(row[1], row[3], row[4], row[5], row[6], row[7], row[8], unpack(row[9]))
-            self.ids.add(traj.id)
-            self.groups[row[2]].trajs.append(traj)
-        for group in self.groups.values():
-            if group.state == READY:
-                self.ready[group.group_id] = group
-            elif group.state == DELIVERED:
-                self.batches.setdefault(group.step, []).append(group.group_id)
-            if group.state in _RETIRED:
-                self.counts[{COMMITTED: "committed", EXPIRED: "expired", SKIPPED: "skipped"}[group.state]] += len(group.trajs)
-        self.counts["stored"] = len(self.ids)
-        row = self.db.execute("SELECT value FROM meta WHERE key='committed_step'").fetchone()
-        self.committed_step = int(row[0]) if row else -1
+        trajs = []
+        for segment, offset, entries in self.db.execute("SELECT segment, offset, entries FROM chunks ORDER BY rowid"):
+            for meta, length, crc in unpack(entries):
+                trajs.append(Traj(meta["id"], meta["policy_version"], float(meta["reward"]), segment, offset,
+                                  length, crc, meta))
+                offset += length
+        self._attach(trajs)
+        for step, groups, committed in self.db.execute("SELECT step, groups, committed FROM batches ORDER BY step"):
+            for gid in unpack(groups):
+                self._set_state(self.groups[gid], COMMITTED if committed else DELIVERED, step)
+            if not committed:
+                self.batches[step] = unpack(groups)
+        for state, groups in self.db.execute("SELECT state, groups FROM retired ORDER BY rowid"):
+            for gid in unpack(groups):
+                self._set_state(self.groups[gid], state)
+        self.committed_step = int(self.get_meta("committed_step", -1))
 
-    def _open_segment(self, index: int) -> None:
-        self.segment = index
-        path = self.dir / "segments" / f"{index:08d}.seg"
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        self._offset = os.fstat(self._fd).st_size
+    def _connect(self, full_sync: bool = False) -> sqlite3.Connection:
+        # WAL mode. Only the writer's connection syncs on commit (when fsync is
+        # on): trajectories are ACKed after that commit. The loop's own small
+        # writes (leases, batches, commits) survive a process crash at once and
+        # a power loss with the next group commit, which syncs the same WAL;
+        # losing one to a power cut means a batch is delivered again, never lost.
+        db = sqlite3.connect(self.dir / "buffer.sqlite3", isolation_level=None, check_same_thread=False,
+                             timeout=30)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute(f"PRAGMA synchronous={'FULL' if full_sync else 'NORMAL'}")
+        return db
 
     @contextmanager
     def transaction(self) -> Iterator[None]:
@@ -153,69 +173,116 @@ class Store:
 
     @property
     def depth(self) -> int:
-        """Trajectories stored and not yet retired (committed, expired or skipped)."""
+        """Trajectories stored or being stored, and not yet retired (committed, expired or skipped)."""
         c = self.counts
-        return c["stored"] - c["committed"] - c["expired"] - c["skipped"]
+        return c["stored"] + len(self.pending_ids) - c["committed"] - c["expired"] - c["skipped"]
 
-    def put(self, items: Iterable[tuple[dict[str, Any], bytes]]) -> tuple[list[str], list[str], list[Group]]:
-        """Store trajectories durably, once per id.
+    def prepare(self, batches: list[list[tuple[dict[str, Any], bytes]]]) -> WriteJob | None:
+        """Plan the group commit of several PUT messages: ids not stored yet, and where their bytes go.
 
-        Returns (stored ids, duplicate ids, groups that became complete). On
-        return everything stored is durable: the caller may ACK it.
+        Runs on the broker's loop; `write` (on the writer thread) makes the job
+        durable and `finish` (back on the loop) makes it visible. Ids in a job
+        count as pending until then, so a resend cannot be stored twice.
         """
-        stored, duplicate, fresh = [], [], []
-        seen: set[str] = set()
-        for meta, payload in items:
-            if meta["id"] in self.ids or meta["id"] in seen:
-                duplicate.append(meta["id"])
-            else:
-                seen.add(meta["id"])
-                fresh.append((meta, payload))
-        if not fresh:
-            return stored, duplicate, []
-        if self._offset >= self.segment_bytes:
-            os.close(self._fd)
-            self._open_segment(self.segment + 1)
-        blob = b"".join(p for _, p in fresh)
-        os.write(self._fd, blob)
-        if self.fsync:
-            os.fdatasync(self._fd)
-        rows, trajs, new_groups = [], [], {}
-        offset = self._offset
-        for meta, payload in fresh:
-            crc = zlib.crc32(payload)
-            rows.append((meta["id"], meta["group_id"], meta["policy_version"], float(meta["reward"]),
-                         self.segment, offset, len(payload), crc, pack(meta)))
-            trajs.append(Traj(meta["id"], meta["policy_version"], float(meta["reward"]),
-                              self.segment, offset, len(payload), crc, meta))
-            offset += len(payload)
-            gid = meta["group_id"]
-            if gid not in self.groups and gid not in new_groups:
-                new_groups[gid] = Group(gid, meta["batch_index"], meta["group_size"])
-        with self.transaction():
-            self.db.executemany(
-                "INSERT INTO trajectories(id, group_id, policy_version, reward, segment, offset, length, crc, meta) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
-            self.db.executemany("INSERT INTO groups(group_id, batch_index, group_size, state) VALUES (?, ?, ?, ?)",
-                                [(g.group_id, g.batch_index, g.size, FILLING) for g in new_groups.values()])
-            completed = self._attach(trajs, new_groups)
-            if completed:
-                self.db.executemany("UPDATE groups SET state=? WHERE group_id=?",
-                                    [(READY, g.group_id) for g in completed])
-        self._offset = offset
-        for meta, _ in fresh:
-            self.ids.add(meta["id"])
-            stored.append(meta["id"])
-        self.counts["stored"] += len(stored)
-        return stored, duplicate, completed
+        job = WriteJob()
+        for items in batches:
+            fresh = [(m, p) for m, p in items
+                     if m["id"] not in self.ids and m["id"] not in self.pending_ids and m["id"] not in job.ids]
+            if not fresh:
+                continue
+            if self._offset >= self.segment_bytes:
+                self.segment, self._offset = self.segment + 1, 0
+            chunk = []
+            for meta, payload in fresh:
+                chunk.append(Traj(meta["id"], meta["policy_version"], float(meta["reward"]), self.segment,
+                                  self._offset, len(payload), 0, meta, payload))
+                self._offset += len(payload)
+                job.ids.add(meta["id"])
+            job.chunks.append(chunk)
+        if not job.chunks:
+            return None
+        self.pending_ids |= job.ids
+        return job
 
-    def _attach(self, trajs: list[Traj], new_groups: dict[str, Group]) -> list[Group]:
-        self.groups.update(new_groups)
+    def write(self, jobs: list[WriteJob]) -> None:
+        """Append the jobs' payloads, sync them, then commit their metadata (writer thread)."""
+        chunks = [chunk for job in jobs for chunk in job.chunks]
+        by_segment: dict[int, list[bytes | memoryview]] = {}
+        for chunk in chunks:
+            by_segment.setdefault(chunk[0].segment, []).extend(t.data for t in chunk)
+        for segment, payloads in by_segment.items():
+            fd = self._writer_fd(segment)
+            _write_all(fd, payloads)
+            if self.fsync:
+                os.fdatasync(fd)
+        rows = []
+        for chunk in chunks:
+            for traj in chunk:
+                traj.crc = zlib.crc32(traj.data)
+            rows.append((chunk[0].segment, chunk[0].offset, pack([(t.meta, t.length, t.crc) for t in chunk])))
+        db = self._writer_db()
+        db.execute("BEGIN")
+        try:
+            db.executemany("INSERT INTO chunks(segment, offset, entries) VALUES (?, ?, ?)", rows)
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
+
+    def finish(self, job: WriteJob) -> list[Group]:
+        """The job is durable: index its trajectories; returns the groups it completed."""
+        self.pending_ids -= job.ids
+        trajs = [t for chunk in job.chunks for t in chunk]
+        for traj in trajs:
+            if self.cached < self.cache_budget:
+                self.cached += traj.length
+            else:
+                traj.data = None
+        return self._attach(trajs)
+
+    def abandon(self, job: WriteJob) -> None:
+        """The job could not be written: forget it (nothing was ACKed)."""
+        self.pending_ids -= job.ids
+
+    def put(self, batches: list[list[tuple[dict[str, Any], bytes]]]) -> tuple[set[str], list[Group]]:
+        """prepare, write and finish in one go; returns (ids newly stored, groups completed)."""
+        job = self.prepare(batches)
+        if job is None:
+            return set(), []
+        try:
+            self.write([job])
+        except BaseException:
+            self.abandon(job)
+            raise
+        return job.ids, self.finish(job)
+
+    def _writer_fd(self, segment: int) -> int:
+        if self._wfd is None or self._wfd[0] != segment:
+            if self._wfd is not None:
+                os.close(self._wfd[1])
+            path = self.dir / "segments" / f"{segment:08d}.seg"
+            self._wfd = (segment, os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644))
+        return self._wfd[1]
+
+    def _writer_db(self) -> sqlite3.Connection:
+        # The writer thread gets a connection of its own; WAL lets it commit
+        # while the loop's connection reads and writes leases and batches.
+        if self._wdb is None:
+            self._wdb = self._connect(full_sync=self.fsync)
+        return self._wdb
+
+    def _attach(self, trajs: list[Traj]) -> list[Group]:
         touched: dict[str, Group] = {}
         for traj in trajs:
-            group = self.groups[traj.meta["group_id"]]
+            meta = traj.meta
+            group = self.groups.get(meta["group_id"])
+            if group is None:
+                group = self.groups[meta["group_id"]] = Group(meta["group_id"], meta["batch_index"],
+                                                              meta["group_size"])
             group.trajs.append(traj)
             touched[group.group_id] = group
+            self.ids.add(traj.id)
+        self.counts["stored"] += len(trajs)
         completed = []
         for group in touched.values():
             if group.state == FILLING and len(group.trajs) >= group.size:
@@ -223,6 +290,18 @@ class Store:
                 self.ready[group.group_id] = group
                 completed.append(group)
         return completed
+
+    def _set_state(self, group: Group, state: int, step: int | None = None) -> None:
+        self.ready.pop(group.group_id, None)
+        group.state = state
+        if step is not None:
+            group.step = step
+        if state in _RETIRED:
+            self.counts[_RETIRED[state]] += len(group.trajs)
+            for traj in group.trajs:
+                if traj.data is not None:
+                    self.cached -= traj.length
+                    traj.data = None
 
     # ---- reads for the trainer --------------------------------------------
 
@@ -252,22 +331,23 @@ class Store:
     def _retire(self, groups: list[Group], state: int) -> None:
         if not groups:
             return
-        self.db.executemany("UPDATE groups SET state=? WHERE group_id=?", [(state, g.group_id) for g in groups])
-        for group in groups:
-            group.state = state
-            self.ready.pop(group.group_id, None)
-            self.counts["expired" if state == EXPIRED else "skipped"] += len(group.trajs)
-
-    def deliver(self, step: int, groups: list[Group]) -> None:
-        """Record `groups` as the batch of `step`, durably, so a restart re-delivers it."""
         with self.transaction():
-            self.db.execute("INSERT OR REPLACE INTO batches(step, committed) VALUES (?, 0)", (step,))
-            self.db.executemany("UPDATE groups SET state=?, step=? WHERE group_id=?",
-                                [(DELIVERED, step, g.group_id) for g in groups])
+            self.db.execute("INSERT INTO retired(state, groups) VALUES (?, ?)",
+                            (state, pack([g.group_id for g in groups])))
         for group in groups:
-            group.state, group.step = DELIVERED, step
-            self.ready.pop(group.group_id, None)
-        self.batches[step] = [g.group_id for g in groups]
+            self._set_state(group, state)
+
+    def deliver(self, step: int, groups: list[Group], meta: dict[str, Any] | None = None) -> None:
+        """Record `groups` as the batch of `step` (and `meta` beside it), so a restart re-delivers it."""
+        ids = [g.group_id for g in groups]
+        with self.transaction():
+            for key, value in (meta or {}).items():
+                self.set_meta(key, value)
+            self.db.execute("INSERT OR REPLACE INTO batches(step, groups, committed) VALUES (?, ?, 0)",
+                            (step, pack(ids)))
+        for group in groups:
+            self._set_state(group, DELIVERED, step)
+        self.batches[step] = ids
 
     def delivered(self, step: int) -> list[Group] | None:
         """The uncommitted batch already delivered for `step`, if any."""
@@ -277,23 +357,21 @@ class Store:
     def commit(self, step: int) -> int:
         """Retire every delivered batch up to `step`; returns trajectories committed."""
         steps = [s for s in self.batches if s <= step]
-        groups = [self.groups[g] for s in steps for g in self.batches[s]]
         with self.transaction():
             self.db.executemany("UPDATE batches SET committed=1 WHERE step=?", [(s,) for s in steps])
-            self.db.executemany("UPDATE groups SET state=? WHERE group_id=?",
-                                [(COMMITTED, g.group_id) for g in groups])
             self.committed_step = max(self.committed_step, step)
             self.set_meta("committed_step", self.committed_step)
         n = 0
         for s in steps:
-            del self.batches[s]
-        for group in groups:
-            group.state = COMMITTED
-            n += len(group.trajs)
-        self.counts["committed"] += n
+            for gid in self.batches.pop(s):
+                group = self.groups[gid]
+                self._set_state(group, COMMITTED)
+                n += len(group.trajs)
         return n
 
-    def payload(self, traj: Traj) -> bytes:
+    def payload(self, traj: Traj) -> bytes | memoryview:
+        if traj.data is not None:
+            return traj.data
         fd = self._readers.get(traj.segment)
         if fd is None:
             fd = os.open(self.dir / "segments" / f"{traj.segment:08d}.seg", os.O_RDONLY)
@@ -304,8 +382,29 @@ class Store:
         return data
 
     def close(self) -> None:
-        os.close(self._fd)
+        if self._wfd is not None:
+            os.close(self._wfd[1])
+            self._wfd = None
         for fd in self._readers.values():
             os.close(fd)
         self._readers.clear()
+        if self._wdb is not None:
+            self._wdb.close()
         self.db.close()
+
+
+def _write_all(fd: int, buffers: list[bytes | memoryview]) -> None:
+    """Append every buffer in order with as few system calls as the OS allows."""
+    limit = os.sysconf("SC_IOV_MAX")
+    pending = [memoryview(b) for b in buffers]
+    i = 0
+    while i < len(pending):
+        written = os.writev(fd, pending[i:i + limit])
+        while written:
+            n = len(pending[i])
+            if written >= n:
+                written -= n
+                i += 1
+            else:  # a short write: go on from the middle of this buffer
+                pending[i] = pending[i][written:]
+                written = 0

@@ -63,7 +63,7 @@ class _Request:
 
     @property
     def size(self) -> int:
-        return len(self.payloads) if self.command == P.PUT else 0
+        return len(self.header["trajectories"]) if self.command == P.PUT else 0
 
 
 class BrokerClient:
@@ -136,7 +136,9 @@ class BrokerClient:
         return self.put_async(items).result(timeout)
 
     def put_async(self, items: list[tuple[dict[str, Any], bytes]]) -> Future:
-        return self.submit(P.PUT, {"trajectories": [m for m, _ in items]}, [p for _, p in items])
+        metas = [dict(m) for m, _ in items]
+        frame = P.join_payloads(metas, [p for _, p in items])
+        return self.submit(P.PUT, {"trajectories": metas}, [frame])
 
     def close(self, bye: bool = True, timeout: float = 5.0) -> None:
         """Say BYE (after pending requests are answered, up to `timeout`) and stop the thread."""
@@ -304,9 +306,10 @@ class BrokerClient:
             request.future.set_result({"stored": request.stored, "duplicate": request.duplicate})
             return
         metas = request.header["trajectories"]
+        parts = P.split_payloads(metas, request.payloads[0])
         keep = [i for i, m in enumerate(metas) if m["id"] in deferred]
         request.header = {"trajectories": [metas[i] for i in keep]}
-        request.payloads = [request.payloads[i] for i in keep]
+        request.payloads = [b"".join(parts[i] for i in keep)]
         request.req = next(self._ids)
         request.header["req"] = request.req
         self._held.appendleft(request)

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 
 class ConfigError(Exception):
@@ -103,8 +103,10 @@ class BufferConfig(Section):
     """Data directory of the durable buffer; empty means `<run_dir>/buffer`."""
     capacity: int = Field(20000, ge=1)
     """Trajectories held and not yet committed; a full buffer slows explorers, it never drops data."""
-    fsync: Literal["group", "off"] = "group"
+    fsync: Annotated[Literal["group", "off"], BeforeValidator(lambda v: "off" if v is False else v)] = "group"
     """group: fdatasync payloads and commit metadata before every ACK (survives power loss); off: survive process crashes only."""
+    cache_mb: int = Field(512, ge=0)
+    """Payloads kept in memory until trained on, up to this many MiB; beyond it they are read back from disk."""
     segment_bytes: int = Field(256 << 20, ge=1 << 20)
     """Roll over to a new payload segment file after this many bytes."""
 
@@ -214,11 +216,18 @@ ENV_PREFIX = "RLBUS_"
 
 
 def _parse_scalar(text: str) -> Any:
-    """A command-line or environment value, read as YAML (so 1e-6, true, [1, 2] work)."""
+    """A command-line or environment value, read as YAML (so 1e-6, true, [1, 2] work).
+
+    Only true/false are booleans: YAML 1.1 would also read on/off/yes/no so,
+    which turns `buffer.fsync=off` into False.
+    """
     try:
-        return yaml.safe_load(text)
+        value = yaml.safe_load(text)
     except yaml.YAMLError:
         return text
+    if isinstance(value, bool) and text.strip().lower() not in ("true", "false"):
+        return text.strip()
+    return value
 
 
 def _set_dotted(tree: dict, dotted: str, value: Any, origin: str) -> None:

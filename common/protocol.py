@@ -143,7 +143,7 @@ SCHEMAS: dict[str, dict[str, tuple[str, bool]]] = {
 TRAJECTORY_SCHEMA: dict[str, tuple[str, bool]] = {
     "id": ("str", True), "group_id": ("str", True), "task_id": ("str", True), "group_size": ("int", True),
     "batch_index": ("int", True), "policy_version": ("int", True), "reward": ("float", True),
-    "n_tokens": ("int", True), "info": ("map", False),
+    "n_tokens": ("int", True), "payload_bytes": ("int", True), "info": ("map", False),
 }
 
 
@@ -165,6 +165,23 @@ def _check_fields(where: str, data: dict, schema: dict[str, tuple[str, bool]]) -
             raise ProtocolError("bad_field", f"{where}: field {name!r} is longer than {MAX_ID_CHARS} characters")
 
 
+def _trajectory_ok(m: Any) -> bool:
+    """Fast check of one PUT entry against TRAJECTORY_SCHEMA (the hot path of the broker)."""
+    if type(m) is not dict:
+        return False
+    i, g, t, r = m.get("id"), m.get("group_id"), m.get("task_id"), m.get("reward")
+    info = m.get("info")
+    return (type(i) is str and len(i) <= MAX_ID_CHARS and type(g) is str and len(g) <= MAX_ID_CHARS
+            and type(t) is str and len(t) <= MAX_ID_CHARS
+            and type(m.get("group_size")) is int and m["group_size"] >= 1
+            and type(m.get("batch_index")) is int and m["batch_index"] >= 0
+            and type(m.get("policy_version")) is int and m["policy_version"] >= 0
+            and type(m.get("n_tokens")) is int and m["n_tokens"] >= 0
+            and type(m.get("payload_bytes")) is int and m["payload_bytes"] >= 0
+            and type(r) in (float, int) and math.isfinite(r)
+            and (info is None or type(info) is dict))
+
+
 def validate(msg: Message) -> None:
     """Check a request's fields against its schema; raise ProtocolError if wrong."""
     schema = SCHEMAS.get(msg.command)
@@ -175,16 +192,41 @@ def validate(msg: Message) -> None:
         raise ProtocolError("bad_field", f"HELLO: role {msg.header['role']!r:.40} is not one of {sorted(ROLES)}")
     if msg.command == PUT:
         trajectories = msg.header["trajectories"]
-        if len(trajectories) != len(msg.payloads):
-            raise ProtocolError("bad_field", f"PUT: {len(trajectories)} trajectories but {len(msg.payloads)} payload frames")
+        if len(msg.payloads) != 1:
+            raise ProtocolError("bad_field", f"PUT carries exactly one payload frame, got {len(msg.payloads)}")
         for i, meta in enumerate(trajectories):
-            if not isinstance(meta, dict):
-                raise ProtocolError("bad_field", f"PUT: trajectories[{i}] must be a map")
-            _check_fields(f"PUT trajectories[{i}]", meta, TRAJECTORY_SCHEMA)
-            if meta["group_size"] < 1:
+            if not _trajectory_ok(meta):
+                # Slow path only to say precisely what is wrong.
+                if not isinstance(meta, dict):
+                    raise ProtocolError("bad_field", f"PUT: trajectories[{i}] must be a map")
+                _check_fields(f"PUT trajectories[{i}]", meta, TRAJECTORY_SCHEMA)
                 raise ProtocolError("bad_field", f"PUT trajectories[{i}]: group_size must be >= 1")
+        total = sum(m["payload_bytes"] for m in trajectories)
+        if total != len(msg.payloads[0]):
+            raise ProtocolError("bad_field", f"PUT: payload_bytes add up to {total} but the payload frame "
+                                             f"has {len(msg.payloads[0])} bytes")
     elif msg.header.get("max_tasks") == 0 or msg.header.get("max_groups") == 0:
         raise ProtocolError("bad_field", f"{msg.command}: asking for zero items")
+
+
+def join_payloads(metas: list[dict[str, Any]], payloads: list[bytes]) -> bytes:
+    """The one payload frame of a PUT or BATCH; sets each meta's `payload_bytes`."""
+    for meta, payload in zip(metas, payloads, strict=True):
+        meta["payload_bytes"] = len(payload)
+    return b"".join(payloads)
+
+
+def split_payloads(metas: list[dict[str, Any]], frame: bytes | memoryview) -> list[memoryview]:
+    """Inverse of join_payloads: one zero-copy view per trajectory."""
+    view = memoryview(frame)
+    out, offset = [], 0
+    for meta in metas:
+        n = meta["payload_bytes"]
+        out.append(view[offset:offset + n])
+        offset += n
+    if offset != len(view):
+        raise ProtocolError("bad_field", f"payload_bytes add up to {offset}, frame has {len(view)} bytes")
+    return out
 
 
 def error(code: str, message: str, req: int | None = None) -> list[bytes]:

@@ -13,6 +13,12 @@ def hello(sock, name="raw"):
     assert recv(sock).command == P.WELCOME
 
 
+def put(req: int, override: dict, payload: bytes = b"x") -> list[bytes]:
+    """A PUT of one trajectory whose metadata fields are overridden."""
+    meta = {**group("bad")[0][0], "payload_bytes": len(payload), **override}
+    return P.encode(P.PUT, {"req": req, "trajectories": [meta]}, [payload])
+
+
 CASES = {
     "too_few_frames": ([P.PROTOCOL, b"HELLO"], "malformed"),
     "wrong_version": ([b"rlbus/0", b"HELLO", P.pack({})], "bad_version"),
@@ -22,11 +28,11 @@ CASES = {
     "wrong_type": ([P.PROTOCOL, b"LEASE", P.pack({"req": 6, "max_tasks": "four", "policy_version": 0})],
                    "bad_field"),
     "missing_field": ([P.PROTOCOL, b"LEASE", P.pack({"req": 7})], "bad_field"),
-    "nan_reward": (P.encode(P.PUT, {"req": 8, "trajectories": [{**group("n")[0][0], "reward": float("nan")}]},
-                            [b"x"]), "bad_field"),
-    "payload_count_mismatch": (P.encode(P.PUT, {"req": 9, "trajectories": [group("m")[0][0]]}, []), "bad_field"),
-    "oversized_message": (P.encode(P.PUT, {"req": 10, "trajectories": [group("big")[0][0]]},
-                                   [b"\0" * (1 << 17)]), "too_large"),
+    "nan_reward": (put(8, {"reward": float("nan")}), "bad_field"),
+    "negative_version": (put(11, {"policy_version": -1}), "bad_field"),
+    "payload_size_mismatch": (put(9, {"payload_bytes": 999}), "bad_field"),
+    "no_payload_frame": (P.encode(P.PUT, {"req": 12, "trajectories": []}), "bad_field"),
+    "oversized_message": (put(10, {}, b"\0" * (1 << 17)), "too_large"),
 }
 
 

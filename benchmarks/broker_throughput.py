@@ -1,0 +1,222 @@
+"""Durable broker throughput beside raw ZeroMQ, measured in the same run.
+
+P producer processes PUT trajectories of 1024 response tokens (int32 ids and
+float32 logprobs plus a 128-token prompt, ~8.8 KB as msgpack) through a real
+broker process (SQLite WAL metadata, append-only payload segments,
+fdatasync per group commit) to a consumer that FETCHes and COMMITs. Then the
+same producers push the same messages over a bare PUSH/PULL pair: the ceiling.
+
+    python benchmarks/broker_throughput.py [--quick] [--producers P]
+
+The last line printed is one JSON object: broker_traj_per_s,
+raw_zmq_traj_per_s, ratio, p50_ack_ms, p99_ack_ms (and the settings).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+GROUP = 8  # samples per group (repeat)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_batch(producer: int, first_group: int, groups: int, payload: bytes) -> list[tuple[dict, bytes]]:
+    items = []
+    for g in range(first_group, first_group + groups):
+        gid = f"p{producer}-g{g}"
+        for i in range(GROUP):
+            items.append(({"id": f"{gid}.{i}", "group_id": gid, "task_id": gid, "group_size": GROUP,
+                           "batch_index": g, "policy_version": 0, "reward": float(i % 2), "n_tokens": 1024}, payload))
+    return items
+
+
+def sample_payload() -> bytes:
+    import numpy as np
+
+    from common.trajectory import encode_payload
+
+    rng = np.random.default_rng(0)
+    return encode_payload({"prompt_ids": rng.integers(0, 49152, 128, dtype=np.int32),
+                           "response_ids": rng.integers(0, 49152, 1024, dtype=np.int32),
+                           "logprobs": -rng.random(1024, dtype=np.float32)},
+                          {"finish_reason": "length", "reward": 1.0})
+
+
+def producer(mode: str, address: str, index: int, n_traj: int, per_put: int, window: int,
+             ready, go, results) -> None:
+    import zmq
+
+    from common import protocol as P
+
+    payload = sample_payload()
+    groups_per_put = per_put // GROUP
+    puts = n_traj // per_put
+    batches = [make_batch(index, k * groups_per_put, groups_per_put, payload) for k in range(puts)]
+    latencies: list[float] = []
+    if mode in ("raw", "raw1"):
+        ctx = zmq.Context()
+        push = ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.SNDHWM, 1000)
+        push.connect(address)
+        ready.put(index)
+        go.wait()
+        if mode == "raw":  # the very messages a PUT sends
+            for items in batches:
+                metas = [dict(m) for m, _ in items]
+                frame = P.join_payloads(metas, [p for _, p in items])
+                push.send_multipart(P.encode(P.PUT, {"trajectories": metas}, [frame]), copy=False)
+        else:  # one trajectory per message, as DESIGN.md's transport figures were measured
+            for items in batches:
+                for meta, payload in items:
+                    push.send_multipart([P.pack(meta), payload], copy=False)
+        push.close(linger=-1)
+        ctx.term()
+    else:
+        from common.client import BrokerClient
+
+        client = BrokerClient(address, "explorer", f"bench-{index}", max_in_flight=window)
+        client.start(30)
+        ready.put(index)
+        go.wait()
+        inflight = []
+        for items in batches:
+            sent = time.perf_counter()
+            fut = client.put_async(items)
+            fut.add_done_callback(lambda f, s=sent: latencies.append(time.perf_counter() - s))
+            inflight.append(fut)
+            if len(inflight) >= window:
+                inflight.pop(0).result(120)
+        for fut in inflight:
+            fut.result(120)
+        client.close()
+    results.put((index, latencies))
+
+
+def run_producers(mode: str, address: str, args, consume) -> tuple[float, list[float]]:
+    ctx = mp.get_context("spawn")
+    ready, results, go = ctx.Queue(), ctx.Queue(), ctx.Event()
+    procs = [ctx.Process(target=producer, args=(mode, address, i, args.per_producer, args.per_put, args.window,
+                                                ready, go, results)) for i in range(args.producers)]
+    for p in procs:
+        p.start()
+    for _ in procs:
+        ready.get(timeout=60)
+    start = time.perf_counter()
+    go.set()
+    consume(args.per_producer * args.producers)
+    elapsed = time.perf_counter() - start
+    latencies: list[float] = []
+    for _ in procs:
+        latencies.extend(results.get(timeout=60)[1])
+    for p in procs:
+        p.join(30)
+    return elapsed, latencies
+
+
+def bench_raw(args, mode: str = "raw") -> float:
+    import zmq
+
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    per_message = args.per_put if mode == "raw" else 1
+
+    def consume(total: int) -> None:
+        got = 0
+        while got < total:
+            pull.recv_multipart(copy=False)
+            got += per_message
+
+    elapsed, _ = run_producers(mode, f"tcp://127.0.0.1:{port}", args, consume)
+    pull.close(0)
+    ctx.term()
+    return args.per_producer * args.producers / elapsed
+
+
+def bench_broker(args, data_dir: Path) -> tuple[float, list[float]]:
+    from common import protocol as P
+    from common.client import BrokerClient
+
+    port, pub = free_port(), free_port()
+    sets = [f"broker.port={port}", f"broker.pub_port={pub}", f"buffer.dir={data_dir}", f"run.dir={data_dir}",
+            f"buffer.fsync={args.fsync}", "buffer.capacity=1000000", "sync.sync_style=async",
+            "sync.max_staleness=1000000", "logging.level=warning", "logging.format=json"]
+    profile = ["-m", "cProfile", "-o", args.profile] if args.profile else []
+    cmd = [sys.executable, *profile, "-m", "common.cli", "broker"] + [x for s in sets for x in ("--set", s)]
+    broker = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL)
+    try:
+        endpoints = data_dir / "endpoints.json"
+        while not endpoints.exists():
+            if broker.poll() is not None:
+                raise RuntimeError("broker failed to start")
+            time.sleep(0.05)
+        address = f"tcp://127.0.0.1:{port}"
+        trainer = BrokerClient(address, "trainer", "bench-trainer")
+        trainer.start(30)
+
+        def consume(total: int) -> None:
+            got, step = 0, 0
+            while got < total:
+                reply = trainer.request(P.FETCH, {"step": step, "max_groups": 64, "wait_ms": 200}, timeout=60)
+                if reply.command == P.BATCH:
+                    got += sum(len(g["trajectories"]) for g in reply.header["groups"])
+                    trainer.request(P.COMMIT, {"step": step}, timeout=60)
+                    step += 1
+
+        elapsed, latencies = run_producers("broker", address, args, consume)
+        trainer.close()
+        return args.per_producer * args.producers / elapsed, latencies
+    finally:
+        os.kill(broker.pid, signal.SIGTERM)
+        broker.wait(30)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="a short run (under 40 s)")
+    ap.add_argument("--producers", type=int, default=2)
+    ap.add_argument("--per-put", type=int, default=64, help="trajectories per PUT message")
+    ap.add_argument("--window", type=int, default=8, help="PUTs in flight per producer")
+    ap.add_argument("--fsync", choices=["group", "off"], default="group")
+    ap.add_argument("--profile", default="", help="write a cProfile of the broker process to this file")
+    args = ap.parse_args()
+    args.per_producer = (20_000 if args.quick else 100_000) // args.per_put * args.per_put
+    print(f"payload bytes per trajectory: {len(sample_payload())}", flush=True)
+    raw = bench_raw(args)
+    print(f"raw zmq push/pull, the same PUT messages: {raw:,.0f} traj/s", flush=True)
+    raw1 = bench_raw(args, "raw1")
+    print(f"raw zmq push/pull, one trajectory per message: {raw1:,.0f} traj/s", flush=True)
+    with tempfile.TemporaryDirectory(prefix="rlbus-bench-", dir=REPO) as tmp:
+        rate, lat = bench_broker(args, Path(tmp))
+    lat.sort()
+    p50 = lat[len(lat) // 2] * 1000 if lat else float("nan")
+    p99 = lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1000 if lat else float("nan")
+    print(f"durable broker: {rate:,.0f} traj/s (fsync={args.fsync}), ACK p50 {p50:.1f} ms, p99 {p99:.1f} ms",
+          flush=True)
+    print(json.dumps({"broker_traj_per_s": round(rate), "raw_zmq_traj_per_s": round(raw),
+                      "ratio": round(rate / raw, 3), "raw_zmq_per_message_traj_per_s": round(raw1),
+                      "ratio_to_per_message": round(rate / raw1, 3), "p50_ack_ms": round(p50, 2), "p99_ack_ms": round(p99, 2),
+                      "producers": args.producers, "per_put": args.per_put, "fsync": args.fsync,
+                      "trajectories": args.per_producer * args.producers}))
+
+
+if __name__ == "__main__":
+    main()
