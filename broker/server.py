@@ -171,7 +171,8 @@ class Broker:
 
     def _send(self, identity: bytes, frames: list[bytes]) -> None:
         try:
-            self.router.send_multipart([identity, *frames], zmq.NOBLOCK)
+            # Large frames go without a copy: ZeroMQ holds a reference until sent.
+            self.router.send_multipart([identity, *frames], zmq.NOBLOCK, copy=False)
         except zmq.ZMQError as exc:  # peer gone: nothing to deliver to
             log.debug("send_failed", error=str(exc))
             return
@@ -402,9 +403,9 @@ class Broker:
                     expired: int, skipped: int) -> None:
         out = [{"group_id": g.group_id, "batch_index": g.batch_index, "trajectories": [t.meta for t in g.trajs]}
                for g in groups]
-        frame = b"".join(self.store.payload(t) for g in groups for t in g.trajs)
+        frames = self.store.payload_frames([t for g in groups for t in g.trajs])
         self._reply(identity, msg, P.BATCH, {"step": step, "groups": out, "expired": expired, "skipped": skipped},
-                    [frame])
+                    frames)
 
     def _empty(self, identity: bytes, msg: P.Message, expired: int, skipped: int) -> None:
         self._reply(identity, msg, P.EMPTY, {"step": msg.header["step"], "reason": "not_enough_ready_groups",

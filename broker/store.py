@@ -58,7 +58,8 @@ class Traj:
     length: int
     crc: int
     meta: dict[str, Any]
-    data: bytes | memoryview | None = None  # payload kept in memory until retired, within the cache budget
+    data: memoryview | None = None  # payload kept in memory until retired, within the cache budget
+    src_off: int = 0  # where `data` starts in the PUT frame it is a view of (data.obj)
 
 
 @dataclass(slots=True)
@@ -177,7 +178,7 @@ class Store:
         c = self.counts
         return c["stored"] + len(self.pending_ids) - c["committed"] - c["expired"] - c["skipped"]
 
-    def prepare(self, batches: list[list[tuple[dict[str, Any], bytes]]]) -> WriteJob | None:
+    def prepare(self, batches: list[list[tuple[dict[str, Any], memoryview]]]) -> WriteJob | None:
         """Plan the group commit of several PUT messages: ids not stored yet, and where their bytes go.
 
         Runs on the broker's loop; `write` (on the writer thread) makes the job
@@ -186,19 +187,22 @@ class Store:
         """
         job = WriteJob()
         for items in batches:
-            fresh = [(m, p) for m, p in items
-                     if m["id"] not in self.ids and m["id"] not in self.pending_ids and m["id"] not in job.ids]
-            if not fresh:
-                continue
             if self._offset >= self.segment_bytes:
                 self.segment, self._offset = self.segment + 1, 0
             chunk = []
-            for meta, payload in fresh:
-                chunk.append(Traj(meta["id"], meta["policy_version"], float(meta["reward"]), self.segment,
-                                  self._offset, len(payload), 0, meta, payload))
-                self._offset += len(payload)
-                job.ids.add(meta["id"])
-            job.chunks.append(chunk)
+            src_off = 0  # offset of each payload in the frame it arrived in
+            for meta, payload in items:
+                size = len(payload)
+                tid = meta["id"]
+                if tid not in self.ids and tid not in self.pending_ids and tid not in job.ids:
+                    view = payload if isinstance(payload, memoryview) else memoryview(payload)
+                    chunk.append(Traj(tid, meta["policy_version"], float(meta["reward"]), self.segment,
+                                      self._offset, size, 0, meta, view, src_off))
+                    self._offset += size
+                    job.ids.add(tid)
+                src_off += size
+            if chunk:
+                job.chunks.append(chunk)
         if not job.chunks:
             return None
         self.pending_ids |= job.ids
@@ -368,6 +372,30 @@ class Store:
                 self._set_state(group, COMMITTED)
                 n += len(group.trajs)
         return n
+
+    def payload_frames(self, trajs: list[Traj]) -> list[memoryview | bytes]:
+        """The trajectories' payloads back to back, as few frames as they allow.
+
+        Payloads still in memory are views of the PUT frames they arrived in;
+        neighbours from the same frame become one view, sent without a copy.
+        """
+        frames: list[memoryview | bytes] = []
+        run: tuple[Any, int, int] | None = None  # (source object, start, end)
+        for traj in trajs:
+            data = traj.data
+            if data is not None and run is not None and data.obj is run[0] and traj.src_off == run[2]:
+                run = (run[0], run[1], run[2] + traj.length)
+                continue
+            if run is not None:
+                frames.append(memoryview(run[0])[run[1]:run[2]])
+                run = None
+            if data is not None:
+                run = (data.obj, traj.src_off, traj.src_off + traj.length)
+            else:
+                frames.append(self.payload(traj))
+        if run is not None:
+            frames.append(memoryview(run[0])[run[1]:run[2]])
+        return frames
 
     def payload(self, traj: Traj) -> bytes | memoryview:
         if traj.data is not None:

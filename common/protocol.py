@@ -216,9 +216,16 @@ def join_payloads(metas: list[dict[str, Any]], payloads: list[bytes]) -> bytes:
     return b"".join(payloads)
 
 
-def split_payloads(metas: list[dict[str, Any]], frame: bytes | memoryview) -> list[memoryview]:
-    """Inverse of join_payloads: one zero-copy view per trajectory."""
-    view = memoryview(frame)
+def split_payloads(metas: list[dict[str, Any]], frames: bytes | memoryview | list) -> list[memoryview]:
+    """Inverse of join_payloads: one view per trajectory.
+
+    `frames` is one payload frame or the list of a message's payload frames
+    (a BATCH may send its payloads in several frames; their concatenation is
+    what counts).
+    """
+    if isinstance(frames, list):
+        frames = frames[0] if len(frames) == 1 else b"".join(frames)
+    view = memoryview(frames)
     out, offset = [], 0
     for meta in metas:
         n = meta["payload_bytes"]

@@ -85,7 +85,7 @@ def test_fetch_commit_and_redelivery_after_trainer_restart(broker_factory, clien
     assert b0.command == P.BATCH
     ids0 = [g["group_id"] for g in b0.header["groups"]]
     assert ids0 == ["g0", "g1"]
-    parts = P.split_payloads([t for g in b0.header["groups"] for t in g["trajectories"]], b0.payloads[0])
+    parts = P.split_payloads([t for g in b0.header["groups"] for t in g["trajectories"]], b0.payloads)
     assert bytes(parts[0]) == b"payload-of-g0.0" and len(parts) == 4
     tr.close(bye=True)
     tr2 = clients(broker, "trainer", "tr-restarted")
