@@ -1,0 +1,44 @@
+"""The shared client: heartbeats keep idle peers alive, reconnects resend, timeouts are bounded."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from common import protocol as P
+from common.client import BrokerClient
+from tests.conftest import group
+
+
+def test_idle_client_stays_registered_through_heartbeats(broker, clients):
+    """A peer that sends no requests for several liveness periods is not dropped."""
+    quiet = clients(broker, "explorer", "quiet")
+    time.sleep(0.2 * 5 * 3)  # three times liveness x interval
+    tool = clients(broker, "tool", "look")
+    assert "quiet" in {p["name"] for p in tool.request(P.STATUS).header["peers"]}
+    assert quiet.reconnects == 0
+
+
+def test_put_made_while_broker_is_down_is_stored_after_restart(broker, clients):
+    """Requests wait through a broker restart, are resent after HELLO, and complete."""
+    c = clients(broker, "explorer", "patient")
+    broker.kill(signal.SIGKILL)
+    pending = c.put_async(group("late"))
+    time.sleep(1.5)  # long enough for the client to notice and start reconnecting
+    assert not pending.done()
+    broker.start()
+    assert sorted(pending.result(20)["stored"]) == ["late.0", "late.1"]
+    assert c.reconnects >= 1
+
+
+def test_request_timeout_is_bounded():
+    c = BrokerClient("tcp://127.0.0.1:1", "tool", "nobody", heartbeat_interval_s=0.1)
+    with pytest.raises(TimeoutError, match="no WELCOME"):
+        c.start(0.5)
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="STATUS"):
+        c.request(P.STATUS, timeout=0.3)
+    assert time.monotonic() - t0 < 2
+    c.close(bye=False, timeout=1)

@@ -1,0 +1,70 @@
+"""Config: YAML, environment and --set overrides, and errors that say what to fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from common.config import ConfigError, RunConfig, load_config
+
+REPO = Path(__file__).resolve().parents[2]
+SHIPPED = sorted((REPO / "configs").rglob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_shipped_config_loads(path):
+    assert isinstance(load_config(path, environ={}), RunConfig)
+
+
+def test_defaults_work_without_a_file():
+    cfg = load_config(None, environ={})
+    assert cfg.sync.max_staleness == cfg.sync.sync_offset + cfg.sync.sync_interval - 1
+
+
+def test_precedence_defaults_file_env_set(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("trainer:\n  lr: 0.5\nbroker:\n  port: 1000\n")
+    cfg = load_config(f, ["trainer.lr=1e-6"], environ={"RLBUS_BROKER__PORT": "5555", "RLBUS_TRAINER__LR": "0.1"})
+    assert cfg.trainer.lr == 1e-6  # --set beats environment beats file
+    assert cfg.broker.port == 5555  # environment beats file
+
+
+def test_off_stays_a_string():
+    assert load_config(None, ["buffer.fsync=off"], environ={}).buffer.fsync == "off"
+    assert load_config(None, [], environ={"RLBUS_BUFFER__FSYNC": "off"}).buffer.fsync == "off"
+
+
+@pytest.mark.parametrize("sets,needle", [
+    (["broker.port=99999"], "broker.port = 99999"),
+    (["sync.sync_style=sometimes"], "sync.sync_style = 'sometimes'"),
+    (["trainer.lrr=1"], "trainer.lrr: unknown setting"),
+    (["sync.sync_interval=4", "sync.max_staleness=1"], "set max_staleness >= 3"),
+    (["notakeyvalue"], "expected key=value"),
+])
+def test_bad_values_name_field_value_and_remedy(sets, needle):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, sets, environ={})
+    assert needle in str(err.value)
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml", environ={})
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- just\n- a list\n")
+    with pytest.raises(ConfigError, match="mapping of sections"):
+        load_config(bad, environ={})
+
+
+def test_every_field_is_documented():
+    def walk(model):
+        for name, field in model.model_fields.items():
+            ann = field.annotation
+            if isinstance(ann, type) and hasattr(ann, "model_fields"):
+                yield from walk(ann)
+            else:
+                yield f"{model.__name__}.{name}", field.description
+
+    missing = [name for name, doc in walk(RunConfig) if not doc]
+    assert not missing, f"fields without a docstring: {missing}"

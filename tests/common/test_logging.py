@@ -1,0 +1,33 @@
+"""Logging: JSON lines off a terminal, a JSON file sink always, context bound per process."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import structlog
+
+from common.logging import bind, setup_logging
+
+
+def test_json_lines_with_bound_context_and_file_sink(tmp_path):
+    out = io.StringIO()
+    sink = tmp_path / "run" / "broker.jsonl"
+    setup_logging("broker", "info", "auto", sink, stream=out, peer="b1")
+    bind(policy_version=3)
+    structlog.get_logger().info("batch_committed", step=7, trajectories=32)
+    structlog.get_logger().debug("not_shown")
+    line = json.loads(out.getvalue().strip())
+    assert line["event"] == "batch_committed" and line["component"] == "broker" and line["peer"] == "b1"
+    assert line["policy_version"] == 3 and line["step"] == 7 and line["level"] == "info"
+    assert isinstance(line["ts"], float)
+    assert json.loads(sink.read_text().strip()) == line
+
+
+def test_console_view_still_writes_json_to_file(tmp_path):
+    out = io.StringIO()
+    sink = tmp_path / "c.jsonl"
+    setup_logging("trainer", "info", "console", sink, stream=out)
+    structlog.get_logger().info("step_done", step=1)
+    assert "step_done" in out.getvalue() and not out.getvalue().lstrip().startswith("{")
+    assert json.loads(sink.read_text())["event"] == "step_done"

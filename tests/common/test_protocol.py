@@ -1,0 +1,59 @@
+"""Frame encoding and validation, and the trajectory payload codec."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from common import protocol as P
+from common.trajectory import decode_payload, encode_payload
+
+
+def test_roundtrip_keeps_command_header_and_payloads():
+    frames = P.encode(P.PUT, {"req": 3, "x": [1, 2]}, [b"a", b"bc"])
+    msg = P.decode(frames)
+    assert (msg.command, msg.header, msg.payloads) == ("PUT", {"req": 3, "x": [1, 2]}, [b"a", b"bc"])
+
+
+def test_join_and_split_payloads():
+    metas = [{"id": "a"}, {"id": "b"}]
+    frame = P.join_payloads(metas, [b"xx", b"yyy"])
+    assert [m["payload_bytes"] for m in metas] == [2, 3]
+    assert [bytes(v) for v in P.split_payloads(metas, frame)] == [b"xx", b"yyy"]
+    assert [bytes(v) for v in P.split_payloads(metas, [b"x", b"xyy", b"y"])] == [b"xx", b"yyy"]
+    with pytest.raises(P.ProtocolError):
+        P.split_payloads(metas, b"too long")
+
+
+@pytest.mark.parametrize("header,field", [
+    ({"max_tasks": True, "policy_version": 0}, "max_tasks"),  # bool is not an int here
+    ({"max_tasks": -1, "policy_version": 0}, "max_tasks"),
+    ({"max_tasks": 1}, "policy_version"),
+])
+def test_validate_names_the_bad_field(header, field):
+    with pytest.raises(P.ProtocolError) as err:
+        P.validate(P.Message(P.LEASE, header))
+    assert err.value.code == "bad_field" and field in err.value.message
+
+
+def test_decode_rejects_oversized_messages_before_parsing():
+    with pytest.raises(P.ProtocolError) as err:
+        P.decode(P.encode(P.STATUS, {}, [b"\0" * 1000]), max_message_bytes=500)
+    assert err.value.code == "too_large"
+
+
+def test_trajectory_payload_roundtrip_without_pickle():
+    ids = np.arange(7, dtype=np.int32)
+    logp = -np.linspace(0, 1, 7, dtype=np.float32)
+    frame = encode_payload({"response_ids": ids, "logprobs": logp}, {"finish_reason": "stop"})
+    assert b"pickle" not in frame and frame[:1] != b"\x80"
+    body = decode_payload(frame)
+    assert body["finish_reason"] == "stop"
+    np.testing.assert_array_equal(body["response_ids"], ids)
+    np.testing.assert_array_equal(body["logprobs"], logp)
+
+
+def test_payload_with_wrong_length_is_refused():
+    frame = P.pack({"v": 1, "a": {"dtype": "int32", "shape": [3], "data": b"\0" * 8}})
+    with pytest.raises(ValueError, match="does not match"):
+        decode_payload(frame)
