@@ -18,6 +18,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="rlbus: reinforcement fine-tuning of LLMs around a message broker.")
 config_app = typer.Typer(no_args_is_help=True, help="Inspect and check configuration.")
 app.add_typer(config_app, name="config")
+model_app = typer.Typer(no_args_is_help=True, help="Prepare models that need no model hub.")
+app.add_typer(model_app, name="model")
 
 ConfigArg = Annotated[Optional[Path], typer.Argument(help="YAML config file (defaults if omitted).")]
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", "-s", help="Override a field: --set trainer.lr=1e-6")]
@@ -52,6 +54,24 @@ def broker(config: ConfigArg = None, set: SetOpt = None,
     cfg = _load(config, sets)
     _logging(cfg, "broker", peer="broker")
     from broker.server import run
+
+    run(cfg)
+
+
+@app.command()
+def explorer(config: ConfigArg = None, set: SetOpt = None,
+             broker: Annotated[Optional[str], typer.Option(help="Broker address, e.g. tcp://HOST:5555.")] = None,
+             name: Annotated[Optional[str], typer.Option(help="Peer name (default: explorer-HOST-PID).")] = None,
+             ) -> None:
+    """Run an explorer: vLLM rollouts of leased tasks, trajectories to the broker."""
+    sets = list(set or [])
+    if broker:
+        sets.append(f"broker.address={broker}")
+    if name:
+        sets.append(f"explorer.name={name}")
+    cfg = _load(config, sets)
+    _logging(cfg, "explorer", peer=cfg.explorer.name or None)
+    from explorer.main import run
 
     run(cfg)
 
@@ -106,6 +126,31 @@ def config_check(config: ConfigArg = None, set: SetOpt = None) -> None:
     """Validate a configuration; exit 2 with the reason if it is not usable."""
     _load(config, set)
     typer.echo("ok")
+
+
+@model_app.command("prepare")
+def model_prepare(name: Annotated[str, typer.Argument(help="Bundled model name.")] = "smollm2-135m",
+                  cache_dir: Annotated[str, typer.Option(help="Where prepared models live.")] = "") -> None:
+    """Fetch and convert a bundled model into an HF model directory (quick once done)."""
+    from common.logging import setup_logging
+
+    setup_logging("model", "info", "auto")
+    from explorer.models import prepare_bundled
+
+    typer.echo(prepare_bundled(name, cache_dir))
+
+
+@model_app.command("tiny")
+def model_tiny(directory: Annotated[Path, typer.Argument(help="Where to write the tiny model.")],
+               tokenizer_from: Annotated[str, typer.Option(help="Model whose tokenizer to use.")] = "smollm2-135m",
+               layers: int = 2, hidden: int = 128, seed: int = 0) -> None:
+    """Build a small random model with the bundled model's tokenizer (for tests)."""
+    from common.logging import setup_logging
+
+    setup_logging("model", "info", "auto")
+    from explorer.models import make_tiny, resolve_model
+
+    typer.echo(make_tiny(directory, resolve_model(tokenizer_from), layers, hidden, seed))
 
 
 def main() -> None:

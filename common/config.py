@@ -155,6 +155,10 @@ class ExplorerConfig(Section):
     """Nucleus sampling."""
     max_tokens: int = Field(24, ge=1)
     """New tokens per response."""
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    """vLLM compute dtype."""
+    memory_fraction: float = Field(0.3, gt=0, le=1)
+    """vLLM gpu_memory_utilization; on CPU the share of host memory it reserves (0.3 works, the default 0.9 does not)."""
 
 
 class TrainerConfig(Section):

@@ -1,0 +1,103 @@
+"""The explorer's vLLM engine: sampling with behaviour logprobs, and in-place weight loads.
+
+One `vllm.LLM` per explorer process. `generate` takes prompt token ids and
+returns, for each prompt, `n` samples with their token ids, the logprob of
+every sampled token under the distribution it was sampled from
+(`logprobs_mode="processed_logprobs"`: after temperature and top-p), the
+finish reason and the text. `load_checkpoint` checks the digest of a
+published weights directory, loads it into the running engine through the
+worker extension, and only then moves `version`: a generation never starts
+on half-loaded weights, and none is dropped around a load (the two take turns
+on one lock).
+
+vLLM spawns processes: create an Engine only under `if __name__ == "__main__"`
+or in a process started by the CLI.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import structlog
+
+from common.weights.digest import weights_digest
+
+log = structlog.get_logger()
+
+
+class DigestMismatch(Exception):
+    """Published weights whose bytes do not match their digest: not loaded."""
+
+
+@dataclass(slots=True)
+class Sample:
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    text: str
+
+
+class Engine:
+    def __init__(self, model: str, *, dtype: str = "bfloat16", seed: int = 0, max_model_len: int = 1024,
+                 memory_fraction: float = 0.3, enforce_eager: bool = True, version: int = 0):
+        from vllm import LLM
+
+        started = time.monotonic()
+        self.llm = LLM(model=model, dtype=dtype, seed=seed, max_model_len=max_model_len,
+                       gpu_memory_utilization=memory_fraction, enforce_eager=enforce_eager,
+                       logprobs_mode="processed_logprobs",
+                       worker_extension_cls="explorer.worker_ext.WeightSyncExtension")
+        self.tokenizer = self.llm.get_tokenizer()
+        self.model = model
+        self.version = version
+        self._lock = threading.Lock()
+        log.info("engine_started", model=model, dtype=dtype, seconds=round(time.monotonic() - started, 2))
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a conversation through the model's chat template, ready for the reply."""
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def generate(self, prompts: Sequence[Sequence[int]], n: int, temperature: float = 1.0, top_p: float = 1.0,
+                 max_tokens: int = 64, stop_token_ids: list[int] | None = None) -> list[list[Sample]]:
+        from vllm import SamplingParams
+
+        params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=0,
+                                stop_token_ids=stop_token_ids)
+        with self._lock:
+            outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+        groups = []
+        for out in outputs:
+            samples = []
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                ids = list(c.token_ids)
+                logprobs = [step[tok].logprob for tok, step in zip(ids, c.logprobs or [])]
+                if len(logprobs) != len(ids):
+                    raise RuntimeError(f"vLLM returned {len(logprobs)} logprobs for {len(ids)} tokens")
+                samples.append(Sample(ids, logprobs, c.finish_reason or "unknown", c.text))
+            groups.append(samples)
+        return groups
+
+    def warm_up(self) -> None:
+        """The first generation after start is slow on CPU; pay for it before the first real batch."""
+        started = time.monotonic()
+        self.generate([self.chat_prompt([{"role": "user", "content": "Hi"}])], n=2, max_tokens=4)
+        log.info("engine_warmed_up", seconds=round(time.monotonic() - started, 2))
+
+    def load_checkpoint(self, path: str, digest: str, version: int) -> float:
+        """Load published weights in place after checking their digest; returns seconds spent."""
+        started = time.monotonic()
+        actual = weights_digest(path)
+        if digest and actual != digest:
+            raise DigestMismatch(f"weights at {path} have digest {actual}, the bus announced {digest}")
+        with self._lock:
+            counts = self.llm.collective_rpc("rlbus_load_checkpoint", args=(path,))
+            self.version = version
+        seconds = time.monotonic() - started
+        log.info("weights_loaded", policy_version=version, path=path, tensors=counts[0], seconds=round(seconds, 3))
+        return seconds

@@ -1,0 +1,154 @@
+"""The explorer process (`rlbus explorer`): lease tasks, roll out, score, PUT.
+
+The loop, once per explorer batch:
+
+1. load the newest published weights if they are newer than the engine's
+   (a late joiner so receives the current weights before it generates);
+2. LEASE tasks with the engine's policy version. WAIT `version` means the
+   sync rules need newer weights than these (lockstep): wait, logged with the
+   version awaited, until the bus announces them, load them, lease again;
+3. roll the tasks out through the workflow and PUT the groups; the client
+   resends until ACKed and holds PUTs while the broker gives no credit.
+
+Heartbeats flow from the client's thread during long generations. On SIGTERM
+the explorer finishes the batch in hand, PUTs it, and says BYE, which
+releases any lease it still holds.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import threading
+import time
+from typing import Any
+
+import structlog
+
+from common import protocol as P
+from common.client import BrokerClient
+from common.config import RunConfig
+from common.logging import bind
+from explorer.engine import DigestMismatch
+from explorer.rollout import single_turn
+from reward.base import resolve
+
+log = structlog.get_logger()
+
+
+class Explorer:
+    def __init__(self, cfg: RunConfig, engine, name: str | None = None):
+        self.cfg = cfg
+        self.engine = engine
+        self.name = name or cfg.explorer.name or f"explorer-{socket.gethostname()}-{id(self) % 10000}"
+        self.reward_fn = resolve(cfg.reward.fn)
+        self.stop_event = threading.Event()
+        self.batches = 0
+        self.client: BrokerClient | None = None
+
+    def connect(self) -> dict[str, Any]:
+        b = self.cfg.broker
+        self.client = BrokerClient(b.address, "explorer", self.name, bus_address=self.cfg.bus_address(),
+                                   heartbeat_interval_s=b.heartbeat_interval_s, liveness=b.liveness,
+                                   policy_version=self.engine.version,
+                                   capabilities={"sync_methods": ["checkpoint"]},
+                                   curve_server_key=b.curve_server_key, curve_client_key=b.curve_client_key)
+        welcome = self.client.start(timeout=60)
+        bind(peer=self.name)
+        log.info("explorer_connected", run_id=welcome["run_id"], weights_version=welcome["weights"]["version"],
+                 sync=welcome["sync"])
+        return welcome
+
+    def stop(self) -> None:
+        self.stop_event.set()
+
+    # ---- weights ----------------------------------------------------------
+
+    def _load_newest(self) -> None:
+        state = self.client.weights
+        if not state or state["version"] <= self.engine.version or not state.get("location"):
+            return
+        if state["method"] != "checkpoint":
+            log.warning("weights_method_unsupported", method=state["method"], policy_version=state["version"])
+            return
+        try:
+            self.engine.load_checkpoint(state["location"], state["digest"], state["version"])
+        except (DigestMismatch, FileNotFoundError) as exc:
+            log.error("weights_load_failed", policy_version=state["version"], error=str(exc))
+            return
+        self.client.policy_version = self.engine.version
+        bind(policy_version=self.engine.version)
+
+    def _wait_for_version(self, need: int, retry_after: float) -> None:
+        log.info("waiting_for_weights", policy_version=self.engine.version, need_version=need)
+        started = time.monotonic()
+        while not self.stop_event.is_set():
+            state = self.client.weights or {}
+            if state.get("version", 0) >= need:
+                self._load_newest()
+                if self.engine.version >= need:
+                    break
+            self.stop_event.wait(min(0.05, retry_after))
+        log.info("weights_wait_over", policy_version=self.engine.version, need_version=need,
+                 waited_s=round(time.monotonic() - started, 3))
+
+    # ---- the loop ---------------------------------------------------------
+
+    def run(self, max_batches: int | None = None) -> int:
+        """Explore until the taskset is done, `max_batches` batches are PUT, or stop(); returns batches PUT."""
+        if self.client is None:
+            self.connect()
+        ecfg, dcfg = self.cfg.explorer, self.cfg.data
+        pending = []
+        try:
+            while not self.stop_event.is_set() and (max_batches is None or self.batches < max_batches):
+                self._load_newest()
+                reply = self.client.request(P.LEASE, {"max_tasks": ecfg.tasks_per_lease,
+                                                      "policy_version": self.engine.version}, timeout=None)
+                if reply.command == P.DONE:
+                    log.info("taskset_done")
+                    break
+                if reply.command == P.WAIT:
+                    h = reply.header
+                    if h["reason"] == "version":
+                        self._wait_for_version(h["need_version"], h["retry_after_s"])
+                    else:
+                        self.stop_event.wait(h["retry_after_s"])
+                    continue
+                leases = reply.header["tasks"]
+                leased_at = time.monotonic()
+                started = time.monotonic()
+                groups = single_turn(self.engine, leases, repeat=dcfg.repeat, temperature=ecfg.temperature,
+                                     top_p=ecfg.top_p, max_tokens=ecfg.max_tokens, reward_fn=self.reward_fn,
+                                     reward_name=self.cfg.reward.fn, explorer=self.name, leased_at=leased_at)
+                rollout_s = time.monotonic() - started
+                items = [t for g in groups for t in g]
+                pending.append(self.client.put_async(items))
+                pending = [f for f in pending if not f.done()]
+                self.batches += 1
+                rewards = [m["reward"] for m, _ in items]
+                tokens = sum(m["n_tokens"] for m, _ in items)
+                log.info("explorer_batch", batch_index=leases[0]["batch_index"], tasks=len(leases),
+                         samples=len(items), policy_version=self.engine.version,
+                         reward_mean=round(sum(rewards) / len(rewards), 4),
+                         rollout_s=round(rollout_s, 3), tokens=tokens, tokens_per_s=round(tokens / rollout_s, 1))
+            for future in pending:
+                future.result(timeout=None)
+        finally:
+            self.client.close(bye=True)
+        log.info("explorer_stopped", batches=self.batches)
+        return self.batches
+
+
+def run(cfg: RunConfig) -> None:
+    """Entry point of `rlbus explorer`."""
+    from explorer.engine import Engine
+    from explorer.models import resolve_model
+
+    engine = Engine(resolve_model(cfg.model.path, cfg.model.cache_dir), seed=cfg.trainer.seed,
+                    memory_fraction=cfg.explorer.memory_fraction, dtype=cfg.explorer.dtype)
+    engine.warm_up()
+    explorer = Explorer(cfg, engine)
+    signal.signal(signal.SIGTERM, lambda *_: explorer.stop())
+    signal.signal(signal.SIGINT, lambda *_: explorer.stop())
+    explorer.run()

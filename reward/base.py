@@ -1,0 +1,93 @@
+"""The reward plugin interface.
+
+A reward is a callable `score(task, response) -> RewardResult | float`:
+
+- `task`: the task map the broker leased (`prompt`, `answer`, and whatever
+  fields its taskset adds);
+- `response`: a `Response` with the text and token ids the model produced;
+- the result: a score and details; a score of zero should say why in
+  `reason`.
+
+Rewards are found by registered name (`arith`, ...) or by dotted path
+(`mypkg.rewards:score`). `evaluate` wraps every call: an exception or a score
+that is NaN or infinite is logged with its reason and scored
+`failure_score` (default 0): never a crash, never a silent drop.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import structlog
+
+log = structlog.get_logger()
+
+
+@dataclass(frozen=True, slots=True)
+class Response:
+    text: str
+    token_ids: Sequence[int] = ()
+
+
+@dataclass(slots=True)
+class RewardResult:
+    score: float
+    details: dict[str, Any] = field(default_factory=dict)
+    reason: str = ""
+
+
+RewardFn = Callable[[Mapping[str, Any], Response], "RewardResult | float"]
+REGISTRY: dict[str, RewardFn] = {}
+
+
+def register(name: str) -> Callable[[RewardFn], RewardFn]:
+    """Decorator: make a reward available by `name` in configs."""
+
+    def add(fn: RewardFn) -> RewardFn:
+        REGISTRY[name] = fn
+        return fn
+
+    return add
+
+
+def resolve(spec: str) -> RewardFn:
+    """A reward by registered name or `module.path:function`."""
+    _load_builtins()
+    if spec in REGISTRY:
+        return REGISTRY[spec]
+    module, sep, attr = spec.partition(":")
+    if not sep:
+        raise ValueError(f"unknown reward {spec!r}: registered ones are {sorted(REGISTRY)}, "
+                         f"or give a dotted path like mypkg.rewards:score")
+    try:
+        fn = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"reward {spec!r} cannot be loaded: {exc}") from None
+    if not callable(fn):
+        raise ValueError(f"reward {spec!r} is not callable")
+    return fn
+
+
+def evaluate(fn: RewardFn, task: Mapping[str, Any], response: Response, failure_score: float = 0.0,
+             name: str = "") -> RewardResult:
+    """Call a reward safely: exceptions and non-finite scores become `failure_score` with a reason."""
+    try:
+        result = fn(task, response)
+    except Exception as exc:  # a plugin's bug must not stop rollouts
+        log.warning("reward_failed", reward=name, task_id=task.get("task_id"), error=repr(exc)[:300])
+        return RewardResult(failure_score, {"error": repr(exc)[:300]}, "reward raised an exception")
+    if not isinstance(result, RewardResult):
+        result = RewardResult(float(result))
+    if not isinstance(result.score, (int, float)) or not math.isfinite(result.score):
+        log.warning("reward_not_finite", reward=name, task_id=task.get("task_id"), score=repr(result.score))
+        return RewardResult(failure_score, {**result.details, "raw_score": repr(result.score)},
+                            "reward was not a finite number")
+    result.score = float(result.score)
+    return result
+
+
+def _load_builtins() -> None:
+    from reward import arith  # noqa: F401  (registers itself)

@@ -1,0 +1,12 @@
+"""The engine samples n responses per prompt with one finite logprob per sampled token."""
+
+import math
+
+
+def test_generate_shapes_and_logprobs(engine):
+    prompt = engine.chat_prompt([{"role": "user", "content": "What is 2 + 3? Answer with just the number."}])
+    groups = engine.generate([prompt, prompt], n=4, max_tokens=8)
+    assert len(groups) == 2 and all(len(g) == 4 for g in groups)
+    for s in groups[0]:
+        assert 1 <= len(s.token_ids) <= 8 and len(s.logprobs) == len(s.token_ids)
+        assert all(math.isfinite(lp) and lp <= 0 for lp in s.logprobs)
