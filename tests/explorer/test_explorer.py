@@ -1,0 +1,143 @@
+"""The explorer against real vLLM (CPU, tiny model) and a real broker process."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from common import protocol as P
+from common.config import load_config
+from common.trajectory import decode_payload
+from common.weights.digest import weights_digest
+from explorer.main import Explorer
+
+
+def explorer_config(b, *sets):
+    return load_config(None, [f"broker.address={b.address}", f"broker.pub_port={b.pub_port}",
+                              "broker.heartbeat_interval_s=0.2", "data.repeat=4", "data.batch_tasks=2",
+                              "explorer.tasks_per_lease=2", "explorer.max_tokens=8", *sets], environ={})
+
+
+def fetch_all(trainer, step=0, max_groups=64):
+    """Every ready group at the broker, with decoded payloads."""
+    reply = trainer.request(P.FETCH, {"step": step, "max_groups": max_groups})
+    assert reply.command == P.BATCH, reply.header
+    metas = [t for g in reply.header["groups"] for t in g["trajectories"]]
+    return reply.header["groups"], metas, [decode_payload(p) for p in P.split_payloads(metas, reply.payloads)]
+
+
+def publish(trainer, model_dir, version):
+    trainer.request(P.PUBLISH, {"version": version, "method": "checkpoint", "location": str(model_dir),
+                                "digest": weights_digest(model_dir), "step": version})
+
+
+def test_explorer_leases_rolls_out_and_publishes(broker_factory, clients, engine):
+    """Groups of `repeat` trajectories arrive with agreeing shapes and finite logprobs <= 0."""
+    b = broker_factory("sync.sync_style=async", "sync.max_staleness=4", "data.repeat=4", "data.batch_tasks=2")
+    ex = Explorer(explorer_config(b, "sync.sync_style=async"), engine, name="ex-1")
+    assert ex.run(max_batches=2) == 2
+    trainer = clients(b, "trainer", "tr")
+    groups, metas, payloads = fetch_all(trainer)
+    assert len(groups) == 4 and all(len(g["trajectories"]) == 4 for g in groups)
+    for meta, body in zip(metas, payloads):
+        n = len(body["response_ids"])
+        assert n == meta["n_tokens"] == len(body["logprobs"]) == len(body["loss_mask"]) >= 1
+        assert np.all(np.isfinite(body["logprobs"])) and np.all(body["logprobs"] <= 0)
+        assert body["loss_mask"].sum() == n and len(body["prompt_ids"]) > 10
+        assert meta["policy_version"] == 0 and meta["explorer"] == "ex-1"
+        assert body["reward"] == meta["reward"] in (0.0, 1.0)
+        assert set(body["timings"]) == {"queue_s", "generate_s", "reward_s"}
+
+
+def test_behaviour_logprobs_match_a_transformers_forward(engine, tiny_model):
+    """The off-policy correction needs vLLM's logprobs to agree with the trainer's; tolerance 2e-3 (float32)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    prompt = engine.chat_prompt([{"role": "user", "content": "What is 4 + 4? Answer with just the number."}])
+    samples = engine.generate([prompt], n=4, max_tokens=12)[0]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    worst = 0.0
+    for s in samples:
+        ids = torch.tensor([prompt + s.token_ids])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(prompt) - 1:-1]
+        ref = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(s.token_ids)[:, None])[:, 0]
+        worst = max(worst, (ref - torch.tensor(s.logprobs)).abs().max().item())
+    assert worst < 2e-3, f"max |vLLM - transformers| logprob = {worst}"
+
+
+def test_new_checkpoint_is_loaded_and_trajectories_carry_its_version(broker_factory, clients, engine, tiny_model,
+                                                                     tmp_path):
+    """After PUBLISH, the explorer loads the weights (digest checked) and tags trajectories with the version."""
+    from explorer.models import make_tiny
+
+    b = broker_factory("sync.sync_style=async", "sync.max_staleness=8", "data.repeat=4", "data.batch_tasks=2")
+    trainer = clients(b, "trainer", "tr")
+    v1 = make_tiny(tmp_path / "v1", tiny_model, seed=1)
+    publish(trainer, v1, 1)
+    ex = Explorer(explorer_config(b, "sync.sync_style=async"), engine, name="ex-2")
+    try:
+        ex.run(max_batches=1)
+        _, metas, _ = fetch_all(trainer)
+        assert {m["policy_version"] for m in metas} == {1}
+        # Generations really come from the new weights: greedy output equals transformers' on v1.
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        prompt = engine.chat_prompt([{"role": "user", "content": "Say something."}])
+        got = engine.generate([prompt], n=1, temperature=0.0, max_tokens=6)[0][0].token_ids
+        model = AutoModelForCausalLM.from_pretrained(v1, dtype=torch.float32)
+        want = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0, len(prompt):].tolist()
+        assert got == want[:len(got)]
+    finally:
+        engine.load_checkpoint(tiny_model, weights_digest(tiny_model), 0)  # leave the shared engine as found
+
+
+def test_lockstep_explorer_waits_for_the_version_it_needs(broker_factory, clients, engine, tiny_model, tmp_path):
+    """Synchronous lockstep (I=1, O=0): batch 1 is generated only after version 1 is published."""
+    b = broker_factory("sync.sync_style=lockstep", "sync.sync_interval=1", "sync.sync_offset=0",
+                       "data.repeat=4", "data.batch_tasks=2")
+    trainer = clients(b, "trainer", "tr")
+    ex = Explorer(explorer_config(b), engine, name="ex-3")
+    thread = threading.Thread(target=ex.run, kwargs={"max_batches": 2})
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while ex.batches < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0)
+        assert ex.batches == 1, "the explorer must not generate batch 1 with version 0"
+        _, metas, _ = fetch_all(trainer, step=0, max_groups=2)
+        assert {m["batch_index"] for m in metas} == {0}
+        trainer.request(P.COMMIT, {"step": 0})
+        publish(trainer, tiny_model, 1)  # same bytes, new version: enough for the rule
+        thread.join(60)
+        assert not thread.is_alive() and ex.batches == 2
+        _, metas, _ = fetch_all(trainer, step=1, max_groups=2)
+        assert {(m["batch_index"], m["policy_version"]) for m in metas} == {(1, 1)}
+        waits = [e for e in b.log_events() if e["event"] == "lease_wait"]
+        assert waits and waits[0]["need_version"] == 1
+    finally:
+        ex.stop()
+        thread.join(10)
+        engine.load_checkpoint(tiny_model, weights_digest(tiny_model), 0)
+
+
+def test_trajectory_metadata_passes_the_broker_schema(engine):
+    """What the workflow builds is exactly what PUT validation accepts."""
+    from explorer.rollout import single_turn
+    from reward.base import resolve
+
+    lease = {"lease_id": "t0.0", "task_id": "arith-0-0", "seq": 0, "batch_index": 0,
+             "task": {"prompt": "What is 1 + 1? Answer with just the number.", "answer": "2"}}
+    groups = single_turn(engine, [lease], repeat=2, temperature=1.0, top_p=1.0, max_tokens=4,
+                         reward_fn=resolve("arith"), reward_name="arith", explorer="x", leased_at=time.monotonic())
+    metas = [dict(m) for m, _ in groups[0]]
+    frame = P.join_payloads(metas, [p for _, p in groups[0]])
+    P.validate(P.Message(P.PUT, {"trajectories": metas}, [frame]))
+    assert all(math.isfinite(m["reward"]) for m in metas)
