@@ -38,12 +38,24 @@ class ModelConfig(Section):
 
 
 class DataConfig(Section):
-    taskset: Literal["arith"] = "arith"
-    """Where tasks come from: `arith` generates a + b problems."""
+    taskset: Literal["arith", "countdown", "guess", "file"] = "arith"
+    """Where tasks come from: generated `arith` (a + b), `countdown`, `guess` (multi-turn), or a `file`."""
     seed: int = 0
     """Seed of generated training tasks."""
     max_operand: int = Field(20, ge=1)
-    """arith: operands are uniform integers in [0, max_operand]."""
+    """Generated tasksets: operands (arith, countdown) or the secret (guess) go up to this."""
+    max_turns: int = Field(5, ge=1)
+    """guess: turns the model gets."""
+    path: str = ""
+    """file: a .jsonl or .parquet file, or a saved HF `datasets` directory."""
+    eval_path: str = ""
+    """file: the held-out set (same format); empty means no held-out set."""
+    prompt_field: str = "prompt"
+    """file: the field holding the prompt."""
+    answer_field: str = "answer"
+    """file: the field holding the reference answer."""
+    epochs: int = Field(1, ge=1)
+    """file: passes over the rows."""
     batch_tasks: int = Field(4, ge=1)
     """Tasks (prompts) per explorer batch; the trainer trains on this many groups per step."""
     repeat: int = Field(8, ge=1)
@@ -54,6 +66,13 @@ class DataConfig(Section):
     """Seed of the held-out evaluation set."""
     eval_size: int = Field(100, ge=0)
     """Problems in the held-out evaluation set."""
+
+
+    @model_validator(mode="after")
+    def _file_needs_path(self) -> "DataConfig":
+        if self.taskset == "file" and not self.path:
+            raise ValueError("data.taskset=file needs data.path (a .jsonl or .parquet file, or a datasets directory)")
+        return self
 
 
 class AlgorithmConfig(Section):
@@ -173,8 +192,8 @@ class TrainerConfig(Section):
 
 
 class RewardConfig(Section):
-    fn: str = "arith"
-    """Reward by registered name or dotted path (`mypkg.rewards:score`)."""
+    fn: str = "auto"
+    """Reward by registered name or dotted path (`mypkg.rewards:score`); auto: the one named by each task's kind."""
 
 
 class LoggingConfig(Section):

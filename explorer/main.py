@@ -30,7 +30,8 @@ from common.client import BrokerClient
 from common.config import RunConfig
 from common.logging import bind
 from explorer.engine import DigestMismatch
-from explorer.rollout import single_turn
+from explorer.envs import make_env
+from explorer.rollout import multi_turn, single_turn
 from reward.base import resolve
 
 log = structlog.get_logger()
@@ -118,9 +119,13 @@ class Explorer:
                 leases = reply.header["tasks"]
                 leased_at = time.monotonic()
                 started = time.monotonic()
-                groups = single_turn(self.engine, leases, repeat=dcfg.repeat, temperature=ecfg.temperature,
-                                     top_p=ecfg.top_p, max_tokens=ecfg.max_tokens, reward_fn=self.reward_fn,
-                                     reward_name=self.cfg.reward.fn, explorer=self.name, leased_at=leased_at)
+                kw = dict(repeat=dcfg.repeat, temperature=ecfg.temperature, top_p=ecfg.top_p,
+                          max_tokens=ecfg.max_tokens, reward_fn=self.reward_fn, reward_name=self.cfg.reward.fn,
+                          explorer=self.name, leased_at=leased_at)
+                if any("env" in lease["task"] for lease in leases):
+                    groups = multi_turn(self.engine, leases, make_env, **kw)
+                else:
+                    groups = single_turn(self.engine, leases, **kw)
                 rollout_s = time.monotonic() - started
                 items = [t for g in groups for t in g]
                 pending.append(self.client.put_async(items))

@@ -66,3 +66,81 @@ def single_turn(engine, leases: list[dict[str, Any]], *, repeat: int, temperatur
                                         [1] * len(s.token_ids), r, s.finish_reason, s.text, timings)
                        for i, (s, r) in enumerate(zip(group, results))])
     return groups
+
+
+@dataclass(slots=True)
+class _Episode:
+    lease: dict[str, Any]
+    index: int
+    prompt_ids: list[int]
+    env: Any
+    messages: list[dict[str, str]]
+    response_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    turns: list[str] = field(default_factory=list)
+    finish_reason: str = ""
+    done: bool = False
+
+
+def _env_tokens(engine, messages: list[dict[str, str]], reply: str, ended_with_eos: bool, answer: str) -> list[int]:
+    """Tokens the chat template puts between the model's reply and its next turn, the environment's words included."""
+    before = messages + [{"role": "assistant", "content": reply}]
+    after = before + [{"role": "user", "content": answer}]
+    text_before = engine.tokenizer.apply_chat_template(before, tokenize=False)
+    text_after = engine.tokenizer.apply_chat_template(after, tokenize=False, add_generation_prompt=True)
+    if not text_after.startswith(text_before):
+        raise ValueError("the chat template does not extend a conversation by appending; multi-turn needs it")
+    closing = text_before[text_before.rindex(reply) + len(reply):] if reply else ""
+    eos = engine.tokenizer.eos_token or ""
+    if ended_with_eos and eos and closing.startswith(eos):
+        closing = closing[len(eos):]  # the model already produced it
+    return list(engine.tokenizer.encode(closing + text_after[len(text_before):], add_special_tokens=False))
+
+
+def multi_turn(engine, leases: list[dict[str, Any]], make_env: Callable, *, repeat: int, temperature: float,
+               top_p: float, max_tokens: int, reward_fn: Callable, reward_name: str, explorer: str,
+               leased_at: float) -> list[list[tuple[dict, bytes]]]:
+    """Episodes of model turns and environment answers, `repeat` per lease.
+
+    The trajectory's response is everything after the first prompt: the
+    model's tokens (loss mask 1, with their behaviour logprobs) and the
+    environment's (mask 0, logprob 0), exactly as the model saw them.
+    """
+    version = engine.version
+    started = time.monotonic()
+    episodes = []
+    for lease in leases:
+        messages = [{"role": "user", "content": lease["task"]["prompt"]}]
+        prompt_ids = engine.chat_prompt(messages)
+        episodes += [_Episode(lease, i, prompt_ids, make_env(lease["task"]), list(messages)) for i in range(repeat)]
+    eos_id = engine.tokenizer.eos_token_id
+    while active := [e for e in episodes if not e.done]:
+        outs = engine.generate([e.prompt_ids + e.response_ids for e in active], n=1, temperature=temperature,
+                               top_p=top_p, max_tokens=max_tokens)
+        for episode, (sample,) in zip(active, outs):
+            episode.response_ids += sample.token_ids
+            episode.logprobs += sample.logprobs
+            episode.loss_mask += [1] * len(sample.token_ids)
+            episode.turns.append(sample.text)
+            episode.finish_reason = sample.finish_reason
+            answer, episode.done = episode.env.step(sample.text)
+            if not episode.done:
+                ended = bool(sample.token_ids) and sample.token_ids[-1] == eos_id
+                env_ids = _env_tokens(engine, episode.messages, sample.text, ended, answer)
+                episode.messages += [{"role": "assistant", "content": sample.text}, {"role": "user", "content": answer}]
+                episode.response_ids += env_ids
+                episode.logprobs += [0.0] * len(env_ids)
+                episode.loss_mask += [0] * len(env_ids)
+    generated = time.monotonic()
+    groups: dict[str, list[tuple[dict, bytes]]] = {}
+    for e in episodes:
+        model_ids = [t for t, m in zip(e.response_ids, e.loss_mask) if m]
+        result = evaluate(reward_fn, e.lease["task"], Response(e.turns[-1], model_ids, tuple(e.turns)),
+                          name=reward_name)
+        timings = {"queue_s": round(started - leased_at, 4), "generate_s": round(generated - started, 4),
+                   "reward_s": 0.0}
+        groups.setdefault(e.lease["lease_id"], []).append(build_trajectory(
+            e.lease, e.index, repeat, version, explorer, e.prompt_ids, e.response_ids, e.logprobs, e.loss_mask,
+            result, e.finish_reason, "\n".join(e.turns), timings))
+    return [groups[lease["lease_id"]] for lease in leases]

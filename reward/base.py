@@ -29,7 +29,11 @@ log = structlog.get_logger()
 @dataclass(frozen=True, slots=True)
 class Response:
     text: str
+    """The model's (last) reply."""
     token_ids: Sequence[int] = ()
+    """Token ids of everything the model produced (all turns)."""
+    turns: Sequence[str] = ()
+    """Multi-turn episodes: each of the model's replies in order (text is the last)."""
 
 
 @dataclass(slots=True)
@@ -54,8 +58,10 @@ def register(name: str) -> Callable[[RewardFn], RewardFn]:
 
 
 def resolve(spec: str) -> RewardFn:
-    """A reward by registered name or `module.path:function`."""
+    """A reward by registered name or `module.path:function`; `auto` picks by each task's `kind`."""
     _load_builtins()
+    if spec == "auto":
+        return _by_kind
     if spec in REGISTRY:
         return REGISTRY[spec]
     module, sep, attr = spec.partition(":")
@@ -89,5 +95,12 @@ def evaluate(fn: RewardFn, task: Mapping[str, Any], response: Response, failure_
     return result
 
 
+def _by_kind(task: Mapping[str, Any], response: Response) -> RewardResult | float:
+    kind = task.get("kind")
+    if kind not in REGISTRY:
+        raise ValueError(f"task kind {kind!r} has no registered reward; set reward.fn")
+    return REGISTRY[kind](task, response)
+
+
 def _load_builtins() -> None:
-    from reward import arith  # noqa: F401  (registers itself)
+    from reward import arith, countdown, guess  # noqa: F401  (they register themselves)

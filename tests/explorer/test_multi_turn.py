@@ -1,0 +1,52 @@
+"""Multi-turn rollouts: the loss mask covers exactly the model's tokens."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from common.tasksets import GuessTaskset
+from common.trajectory import decode_payload
+from explorer.envs import make_env
+from explorer.rollout import multi_turn
+from reward.base import resolve
+
+
+def runs(mask):
+    """(start, end) of each maximal run of ones."""
+    out, start = [], None
+    for i, m in enumerate(list(mask) + [0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            out.append((start, i))
+            start = None
+    return out
+
+
+def test_guess_the_number_mask_covers_exactly_the_models_tokens(engine):
+    tasks = GuessTaskset(seed=3, high=20, max_turns=3)
+    leases = [{"lease_id": f"t{i}.0", "task_id": f"guess-{i}", "seq": i, "batch_index": 0, "task": tasks.task(i)}
+              for i in range(2)]
+    groups = multi_turn(engine, leases, make_env, repeat=3, temperature=1.0, top_p=1.0, max_tokens=6,
+                        reward_fn=resolve("auto"), reward_name="auto", explorer="x", leased_at=time.monotonic())
+    assert [len(g) for g in groups] == [3, 3]
+    tok = engine.tokenizer
+    saw_env_turn = False
+    for meta, payload in (t for g in groups for t in g):
+        body = decode_payload(payload)
+        ids, mask, logp = body["response_ids"], body["loss_mask"].astype(bool), body["logprobs"]
+        turns = body["text"].split("\n")
+        model_runs = runs(mask)
+        assert len(model_runs) == len(turns) <= 3
+        for (a, b), turn in zip(model_runs, turns):
+            assert tok.decode(ids[a:b], skip_special_tokens=True) == turn
+        assert np.all(logp[~mask] == 0.0) and np.all(logp[mask] <= 0) and np.all(np.isfinite(logp))
+        env_text = tok.decode(ids[~mask])
+        if len(turns) > 1:
+            saw_env_turn = True
+            assert any(w in env_text for w in ("Higher.", "Lower.", "Please answer")), env_text
+            assert "<|im_start|>user" in env_text and env_text.rstrip().endswith("assistant")
+        assert meta["n_tokens"] == len(ids)
+    assert saw_env_turn, "a random tiny model should miss at least once in 6 episodes"
