@@ -55,6 +55,9 @@ class Explorer:
                                    capabilities={"sync_methods": ["checkpoint"]},
                                    curve_server_key=b.curve_server_key, curve_client_key=b.curve_client_key)
         welcome = self.client.start(timeout=60)
+        # The broker's view of the run wins over this process's config: every
+        # explorer of a run samples the same group size.
+        self.repeat = welcome["sync"]["repeat"]
         bind(peer=self.name)
         log.info("explorer_connected", run_id=welcome["run_id"], weights_version=welcome["weights"]["version"],
                  sync=welcome["sync"])
@@ -99,7 +102,7 @@ class Explorer:
         """Explore until the taskset is done, `max_batches` batches are PUT, or stop(); returns batches PUT."""
         if self.client is None:
             self.connect()
-        ecfg, dcfg = self.cfg.explorer, self.cfg.data
+        ecfg = self.cfg.explorer
         pending = []
         try:
             while not self.stop_event.is_set() and (max_batches is None or self.batches < max_batches):
@@ -119,7 +122,7 @@ class Explorer:
                 leases = reply.header["tasks"]
                 leased_at = time.monotonic()
                 started = time.monotonic()
-                kw = dict(repeat=dcfg.repeat, temperature=ecfg.temperature, top_p=ecfg.top_p,
+                kw = dict(repeat=self.repeat, temperature=ecfg.temperature, top_p=ecfg.top_p,
                           max_tokens=ecfg.max_tokens, reward_fn=self.reward_fn, reward_name=self.cfg.reward.fn,
                           explorer=self.name, leased_at=leased_at)
                 if any("env" in lease["task"] for lease in leases):

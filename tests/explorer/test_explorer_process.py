@@ -1,0 +1,57 @@
+"""A real `rlbus explorer` process killed mid-batch loses nothing: its leases go to another explorer."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from common import protocol as P
+from explorer.main import Explorer
+from tests.conftest import REPO
+from tests.explorer.test_explorer import explorer_config
+
+
+def test_explorer_killed_mid_batch_has_its_leases_reissued(broker_factory, clients, engine, tiny_model, tmp_path):
+    b = broker_factory("sync.sync_style=async", "sync.max_staleness=100", "data.repeat=4", "data.batch_tasks=2",
+                       "data.max_tasks=6")
+    tool = clients(b, "tool", "watch")
+    args = [sys.executable, "-m", "common.cli", "explorer", "--broker", b.address, "--name", "victim"]
+    for s in (f"broker.pub_port={b.pub_port}", "broker.heartbeat_interval_s=0.2", f"model.path={tiny_model}",
+              "explorer.dtype=float32", "explorer.memory_fraction=0.1", "explorer.max_tokens=400",
+              "explorer.tasks_per_lease=2", "logging.format=json"):
+        args += ["--set", s]
+    # Its own session, so the kill takes its vLLM engine processes too, as a dying host would.
+    victim = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "victim.log", "w"),
+                              start_new_session=True)
+    try:
+        held = 0
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and victim.poll() is None:
+            peers = {p["name"]: p for p in tool.request(P.STATUS).header["peers"]}
+            held = peers.get("victim", {}).get("leases", 0)
+            if held:
+                break
+            time.sleep(0.05)
+        assert held, f"the victim never held a lease: {(tmp_path / 'victim.log').read_text()[-2000:]}"
+        os.killpg(victim.pid, signal.SIGKILL)
+        victim.wait(10)
+        status = tool.request(P.STATUS).header
+        assert status["buffer"]["stored"] == 0, "killed before it PUT anything"
+        # Another explorer picks up the victim's tasks once the broker drops it.
+        ex = Explorer(explorer_config(b, "sync.sync_style=async"), engine, name="rescuer")
+        ex.run()  # until the taskset is done
+        status = tool.request(P.STATUS).header
+        assert status["tasks"]["done"] == 6 and status["tasks"]["leased"] == 0
+        assert status["buffer"]["stored"] == 6 * 4
+        events = b.log_events()
+        assert any(e["event"] == "peer_left" and e["peer"] == "victim" and e["leases_released"] == held
+                   for e in events)
+    finally:
+        try:
+            os.killpg(victim.pid, signal.SIGKILL)  # the group it leads: its engine processes too
+        except ProcessLookupError:
+            pass
+        victim.wait(10)
