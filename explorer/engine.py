@@ -23,7 +23,7 @@ from typing import Sequence
 
 import structlog
 
-from common.weights.digest import weights_digest
+from common.weights.digest import matches
 
 log = structlog.get_logger()
 
@@ -92,9 +92,10 @@ class Engine:
     def load_checkpoint(self, path: str, digest: str, version: int) -> float:
         """Load published weights in place after checking their digest; returns seconds spent."""
         started = time.monotonic()
-        actual = weights_digest(path)
-        if digest and actual != digest:
-            raise DigestMismatch(f"weights at {path} have digest {actual}, the bus announced {digest}")
+        if digest:
+            ok, actual = matches(path, digest)
+            if not ok:
+                raise DigestMismatch(f"weights at {path} have digest {actual}, the bus announced {digest}")
         with self._lock:
             counts = self.llm.collective_rpc("rlbus_load_checkpoint", args=(path,))
             self.version = version

@@ -1,8 +1,11 @@
 """Digests of published weights, checked by explorers before they load them.
 
 A digest covers the bytes of every `*.safetensors` file in a weights
-directory, in name order, so a torn or half-copied checkpoint is refused.
-BLAKE2b is in the standard library and reads about as fast as the disk.
+directory, in name order, so a torn or half-copied checkpoint is refused. It
+names its algorithm (`xxh3_128:...` or `blake2b:...`) and is checked with the
+same one. xxh3 (the `xxhash` package, installed with the engine) hashes the
+bundled model in a few hundredths of a second; BLAKE2b, from the standard
+library, is the fallback and takes about 0.6 s here, most of a reload.
 """
 
 from __future__ import annotations
@@ -10,18 +13,45 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-ALGORITHM = "blake2b"
-_CHUNK = 8 << 20
+_CHUNK = 4 << 20
 
 
-def weights_digest(directory: str | Path) -> str:
+def _hasher(algorithm: str):
+    if algorithm == "xxh3_128":
+        import xxhash
+
+        return xxhash.xxh3_128()
+    if algorithm == "blake2b":
+        return hashlib.blake2b(digest_size=20)
+    raise ValueError(f"unknown digest algorithm {algorithm!r}")
+
+
+def default_algorithm() -> str:
+    try:
+        import xxhash  # noqa: F401
+    except ImportError:
+        return "blake2b"
+    return "xxh3_128"
+
+
+def weights_digest(directory: str | Path, algorithm: str | None = None) -> str:
+    algorithm = algorithm or default_algorithm()
     files = sorted(Path(directory).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no .safetensors files in {directory}")
-    h = hashlib.blake2b(digest_size=20)
+    h = _hasher(algorithm)
+    buf = bytearray(_CHUNK)
+    view = memoryview(buf)
     for path in files:
         h.update(path.name.encode() + b"\0")
         with open(path, "rb") as f:
-            while chunk := f.read(_CHUNK):
-                h.update(chunk)
-    return f"{ALGORITHM}:{h.hexdigest()}"
+            while n := f.readinto(buf):
+                h.update(view[:n])
+    return f"{algorithm}:{h.hexdigest()}"
+
+
+def matches(directory: str | Path, digest: str) -> tuple[bool, str]:
+    """Whether the directory's bytes have `digest` (computed with the algorithm it names), and the actual one."""
+    algorithm = digest.partition(":")[0]
+    actual = weights_digest(directory, algorithm)
+    return actual == digest, actual

@@ -1,0 +1,132 @@
+"""Where an explorer's time goes, on the bundled model (SmolLM2-135M-Instruct).
+
+A real broker process and an in-process explorer with a real vLLM engine
+(CPU here) run `--batches` explorer batches of the default task (4 prompts x
+8 samples, 24 new tokens). Every `--reload-every` batches a checkpoint is
+published, so the explorer also loads weights the way it does in a run. The
+wall time of the explorer loop is split into time inside vLLM's generate and
+everything else (broker I/O, rewards, payload encoding, weight loads). The
+same run times the checkpoint reload beside a plain read of the same files.
+
+    python benchmarks/explorer.py [--batches N] [--reload-every K]
+
+Last line: one JSON object with generate_share, reload_s, file_read_s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def read_files(directory: Path) -> float:
+    started = time.perf_counter()
+    for path in sorted(directory.glob("*.safetensors")):
+        with open(path, "rb") as f:
+            while f.read(16 << 20):
+                pass
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", type=int, default=12)
+    ap.add_argument("--reload-every", type=int, default=4, help="publish a checkpoint every K batches (0: never)")
+    args = ap.parse_args()
+
+    from common import protocol as P
+    from common.client import BrokerClient
+    from common.config import load_config
+    from common.logging import setup_logging
+    from common.weights.digest import weights_digest
+    from explorer.engine import Engine
+    from explorer.main import Explorer
+    from explorer.models import prepare_bundled
+
+    setup_logging("bench", "warning", "json")
+    model = prepare_bundled("smollm2-135m")
+    port, pub = free_port(), free_port()
+    with tempfile.TemporaryDirectory(prefix="rlbus-bench-") as tmp:
+        sets = [f"broker.port={port}", f"broker.pub_port={pub}", f"buffer.dir={tmp}", f"run.dir={tmp}",
+                "sync.sync_style=async", "sync.max_staleness=1000", "logging.level=warning"]
+        broker = subprocess.Popen([sys.executable, "-m", "common.cli", "broker"] + [x for s in sets for x in ("--set", s)],
+                                  cwd=REPO, stdout=subprocess.DEVNULL)
+        try:
+            while not (Path(tmp) / "endpoints.json").exists():
+                time.sleep(0.05)
+            engine = Engine(str(model), seed=0)
+            engine.warm_up()
+            gen_time = 0.0
+            generate = engine.generate
+
+            def timed(*a, **kw):
+                nonlocal gen_time
+                t = time.perf_counter()
+                try:
+                    return generate(*a, **kw)
+                finally:
+                    gen_time += time.perf_counter() - t
+
+            engine.generate = timed
+            cfg = load_config(REPO / "configs" / "arith.yaml", [f"broker.address=tcp://127.0.0.1:{port}",
+                                                               f"broker.pub_port={pub}", "sync.sync_style=async",
+                                                               "sync.max_staleness=1000"], environ={})
+            trainer = BrokerClient(f"tcp://127.0.0.1:{port}", "trainer", "bench-trainer")
+            trainer.start(30)
+            digest = weights_digest(model)
+            explorer = Explorer(cfg, engine, name="bench-explorer")
+            explorer.connect()
+            published = [0]
+
+            def publisher() -> None:
+                # A new version after every K batches, as a trainer publishing checkpoints would.
+                while explorer.batches < args.batches and args.reload_every:
+                    due = explorer.batches // args.reload_every
+                    if due > published[0]:
+                        published[0] = due
+                        trainer.request(P.PUBLISH, {"version": due, "method": "checkpoint",
+                                                    "location": str(model), "digest": digest, "step": due})
+                    time.sleep(0.01)
+
+            thread = threading.Thread(target=publisher, daemon=True)
+            thread.start()
+            started = time.perf_counter()
+            explorer.run(max_batches=args.batches)
+            wall = time.perf_counter() - started
+            trainer.close()
+            reload_s = min(engine.load_checkpoint(str(model), digest, published[0] + 1 + i) for i in range(3))
+            file_read_s = min(read_files(model) for _ in range(3))
+            digest_s = min((lambda t: (weights_digest(model), time.perf_counter() - t)[1])(time.perf_counter())
+                           for _ in range(2))
+        finally:
+            os.kill(broker.pid, signal.SIGTERM)
+            broker.wait(30)
+    share = gen_time / wall
+    print(f"explorer wall {wall:.2f} s over {args.batches} batches ({published[0]} weight loads), "
+          f"{gen_time:.2f} s generating: share {share:.3f}")
+    print(f"checkpoint reload {reload_s:.3f} s (digest {digest_s:.3f} s of it), plain read of the files {file_read_s:.3f} s")
+    print(json.dumps({"generate_share": round(share, 4), "reload_s": round(reload_s, 3),
+                      "file_read_s": round(file_read_s, 3), "digest_s": round(digest_s, 3),
+                      "batches": args.batches, "reload_every": args.reload_every, "weight_loads": published[0], "wall_s": round(wall, 2)}))
+
+
+if __name__ == "__main__":
+    main()

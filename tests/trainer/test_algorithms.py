@@ -1,0 +1,99 @@
+"""Advantages and the policy loss against values worked out by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from trainer.algorithms import (LossConfig, advantages, aggregate, group_relative, kl_estimate, policy_loss,
+                                zero_spread_groups)
+
+R = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0])
+G = torch.tensor([0, 0, 0, 0, 1, 1])
+
+
+def test_grpo():
+    # group 0: mean 0.5, sample std sqrt(1/3) -> +-0.5 / 0.57735 = +-0.8660; group 1: all equal -> 0
+    a = advantages(R, G, "grpo")
+    assert torch.allclose(a, torch.tensor([0.8660, -0.8660, -0.8660, 0.8660, 0.0, 0.0]), atol=1e-4)
+
+
+def test_dr_grpo_and_rloo():
+    assert torch.allclose(advantages(R, G, "dr_grpo"), torch.tensor([0.5, -0.5, -0.5, 0.5, 0.0, 0.0]))
+    # RLOO: 1 - mean(0, 0, 1) = 2/3; 0 - mean(1, 0, 1) = -2/3
+    assert torch.allclose(advantages(R, G, "rloo"), torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3, 0.0, 0.0]), atol=1e-6)
+
+
+def test_reinforce_pp_normalises_over_the_batch():
+    # batch mean 2/3, sample std sqrt(4/15) = 0.5164; 1 -> 0.6455, 0 -> -1.2910
+    a = advantages(R, G, "reinforce_pp")
+    assert torch.allclose(a, torch.tensor([0.6455, -1.2910, -1.2910, 0.6455, 0.6455, 0.6455]), atol=1e-4)
+    assert not group_relative("reinforce_pp") and group_relative("grpo")
+
+
+def test_zero_spread_groups():
+    assert zero_spread_groups(R, G) == {1}
+
+
+def test_kl_estimators():
+    logp, ref = torch.tensor([-1.0]), torch.tensor([-1.5])
+    assert kl_estimate(logp, ref, "k1").item() == pytest.approx(0.5)
+    assert kl_estimate(logp, ref, "k3").item() == pytest.approx(math.exp(-0.5) + 0.5 - 1)
+
+
+def test_aggregations():
+    loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    assert aggregate(loss, mask, "token-mean").item() == pytest.approx(10 / 4)
+    assert aggregate(loss, mask, "seq-mean-token-mean").item() == pytest.approx((2 + 4) / 2)
+    assert aggregate(loss, mask, "seq-mean-token-sum").item() == pytest.approx((6 + 4) / 2)
+
+
+def one_token(logp, prox, behav, adv, **kw):
+    t = lambda v: torch.tensor([[v]], dtype=torch.float64)  # noqa: E731
+    return policy_loss(t(logp), t(prox), t(behav), torch.tensor([adv], dtype=torch.float64),
+                       torch.ones(1, 1, dtype=torch.bool), LossConfig(**kw))
+
+
+def test_on_policy_loss_is_minus_advantage_and_gradient_is_minus_advantage():
+    logp = torch.tensor([[-1.0]], requires_grad=True)
+    loss, m = policy_loss(logp, logp.detach(), logp.detach(), torch.tensor([2.0]), torch.ones(1, 1), LossConfig())
+    loss.backward()
+    assert loss.item() == pytest.approx(-2.0) and logp.grad.item() == pytest.approx(-2.0)
+    assert m["is_weight_mean"] == pytest.approx(1.0) and m["clip_fraction"] == 0.0
+
+
+def test_ppo_clip_with_positive_and_negative_advantage():
+    # ratio = e^0.5 = 1.6487 > 1.2: with A=+1 the clipped term -1.2 wins (max of -1.6487, -1.2)
+    loss, m = one_token(-0.5, -1.0, -1.0, 1.0)
+    assert loss.item() == pytest.approx(-1.2) and m["clip_fraction"] == 1.0
+    # with A=-1: max(1.6487, 1.2) = 1.6487, not clipped
+    loss, m = one_token(-0.5, -1.0, -1.0, -1.0)
+    assert loss.item() == pytest.approx(math.exp(0.5)) and m["clip_fraction"] == 0.0
+
+
+def test_dual_clip_bounds_negative_advantage_losses():
+    # ratio = e^2 = 7.389, A = -1: PPO gives 7.389, dual clip c=3 bounds it at 3
+    loss, _ = one_token(1.0, -1.0, -1.0, -1.0, dual_clip=3.0)
+    assert loss.item() == pytest.approx(3.0)
+
+
+def test_importance_weight_truncate_and_mask():
+    # on the proximal policy (ratio 1), behaviour logprob lower by log 3: w = 3
+    loss, m = one_token(-1.0, -1.0, -1.0 - math.log(3), 1.0, is_cap=2.0)
+    assert loss.item() == pytest.approx(-2.0) and m["is_weight_max"] == pytest.approx(3.0)
+    assert m["is_limited_fraction"] == 1.0
+    loss, m = one_token(-1.0, -1.0, -1.0 - math.log(1.5), 1.0)
+    assert loss.item() == pytest.approx(-1.5) and m["is_limited_fraction"] == 0.0
+    loss, m = one_token(-1.0, -1.0, -1.0 - math.log(3), 1.0, is_mode="mask", is_high=2.0)
+    assert loss.item() == 0.0 and m["is_limited_fraction"] == 1.0
+
+
+def test_kl_term_is_added_with_its_coefficient():
+    # on-policy, A = 0: loss = beta * k1 = 0.1 * (-1 - (-1.5)) = 0.05
+    t = lambda v: torch.tensor([[v]])  # noqa: E731
+    loss, m = policy_loss(t(-1.0), t(-1.0), t(-1.0), torch.tensor([0.0]), torch.ones(1, 1),
+                          LossConfig(kl_coef=0.1, kl_kind="k1"), logp_ref=t(-1.5))
+    assert loss.item() == pytest.approx(0.05) and m["kl"] == pytest.approx(0.5)

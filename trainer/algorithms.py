@@ -1,0 +1,149 @@
+"""Advantage estimators and the policy loss: pure tensor functions, no I/O.
+
+Advantages take the rewards of a batch and the group each belongs to (a
+group = the `repeat` samples of one task):
+
+- `grpo`: (r - group mean) / (group std + eps), std with Bessel's correction;
+- `dr_grpo`: r - group mean (no std: Dr. GRPO);
+- `rloo`: r - mean of the *other* samples of the group = G/(G-1) (r - mean);
+- `reinforce_pp`: (r - batch mean) / (batch std + eps), REINFORCE++'s
+  batch normalisation, no group baseline.
+
+The first three give every sample of a group whose rewards are all equal an
+advantage of zero: such groups cost a forward and backward pass for no
+gradient, so the trainer drops them first (`group_relative`).
+
+The policy loss is PPO's clipped objective with the decoupled off-policy
+correction: the ratio is taken against the proximal policy (logprobs the
+trainer computes at the start of the step, detached), and each token is
+weighted by w = exp(logp_proximal - logp_behaviour), the behaviour logprobs
+being the explorer's. w is truncated at `is_cap` (mode `truncate`) or tokens
+with w outside [is_low, is_high] are masked (mode `mask`). With one update per
+fetched batch the proximal policy *is* the current one: its logprobs are the
+current forward's, detached, and the ratio is 1 in value with the gradient of
+log pi.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+GROUP_RELATIVE = frozenset({"grpo", "dr_grpo", "rloo"})
+
+
+def group_relative(name: str) -> bool:
+    return name in GROUP_RELATIVE
+
+
+def advantages(rewards: torch.Tensor, group_ids: torch.Tensor, estimator: str = "grpo",
+               eps: float = 1e-6) -> torch.Tensor:
+    """One advantage per sample. `group_ids` are integers labelling each sample's group."""
+    rewards = rewards.double()
+    if estimator == "reinforce_pp":
+        std = rewards.std(unbiased=True) if rewards.numel() > 1 else rewards.new_tensor(0.0)
+        return ((rewards - rewards.mean()) / (std + eps)).float()
+    out = torch.empty_like(rewards)
+    for g in torch.unique(group_ids):
+        idx = group_ids == g
+        r = rewards[idx]
+        n = r.numel()
+        centred = r - r.mean()
+        if estimator == "grpo":
+            std = r.std(unbiased=True) if n > 1 else r.new_tensor(0.0)
+            out[idx] = centred / (std + eps)
+        elif estimator == "dr_grpo":
+            out[idx] = centred
+        elif estimator == "rloo":
+            out[idx] = centred * (n / (n - 1)) if n > 1 else centred * 0
+        else:
+            raise ValueError(f"unknown advantage estimator {estimator!r}")
+    return out.float()
+
+
+def zero_spread_groups(rewards: torch.Tensor, group_ids: torch.Tensor) -> set[int]:
+    """Groups whose rewards are all equal."""
+    return {int(g) for g in torch.unique(group_ids)
+            if rewards[group_ids == g].max() == rewards[group_ids == g].min()}
+
+
+def kl_estimate(logp: torch.Tensor, logp_ref: torch.Tensor, kind: str = "k3") -> torch.Tensor:
+    """Per-token KL(pi || ref) estimates from sampled tokens: k1 = log ratio, k3 = exp(-x) + x - 1 with x = log ratio."""
+    log_ratio = logp - logp_ref
+    if kind == "k1":
+        return log_ratio
+    if kind == "k3":
+        return torch.exp(-log_ratio) + log_ratio - 1
+    raise ValueError(f"unknown KL estimator {kind!r}")
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean") -> torch.Tensor:
+    """Reduce [batch, time] token losses to a scalar over the tokens `mask` keeps."""
+    mask = mask.to(per_token.dtype)
+    if mode == "token-mean":
+        return (per_token * mask).sum() / mask.sum().clamp(min=1)
+    per_seq = (per_token * mask).sum(-1)
+    if mode == "seq-mean-token-mean":
+        return (per_seq / mask.sum(-1).clamp(min=1)).mean()
+    if mode == "seq-mean-token-sum":
+        return per_seq.mean()
+    raise ValueError(f"unknown loss aggregation {mode!r}")
+
+
+@dataclass
+class LossConfig:
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = None  # c > 1: bounds the loss of negative-advantage tokens by -c * A
+    is_mode: str = "truncate"  # or "mask"
+    is_cap: float = 2.0
+    is_low: float = 0.5
+    is_high: float = 2.0
+    kl_coef: float = 0.0
+    kl_kind: str = "k3"
+    aggregation: str = "token-mean"
+
+
+def policy_loss(logp: torch.Tensor, logp_prox: torch.Tensor, logp_behaviour: torch.Tensor, adv: torch.Tensor,
+                mask: torch.Tensor, cfg: LossConfig, logp_ref: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, dict[str, float]]:
+    """The PPO-clip loss with decoupled importance weights; tensors are [batch, time], `adv` is [batch].
+
+    Returns the scalar loss and its metrics (clip fraction, importance-weight
+    statistics, KL).
+    """
+    mask = mask.bool()
+    a = adv[:, None].to(logp.dtype)
+    ratio = torch.exp(logp - logp_prox.detach())
+    unclipped = -a * ratio
+    clipped = -a * ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high)
+    per_token = torch.maximum(unclipped, clipped)
+    if cfg.dual_clip is not None:
+        per_token = torch.where(a < 0, torch.minimum(per_token, -a * cfg.dual_clip), per_token)
+    w = torch.exp((logp_prox - logp_behaviour).detach())
+    if cfg.is_mode == "truncate":
+        weight = w.clamp(max=cfg.is_cap)
+        limited = (w > cfg.is_cap) & mask
+    elif cfg.is_mode == "mask":
+        inside = (w >= cfg.is_low) & (w <= cfg.is_high)
+        weight = inside.to(w.dtype)
+        limited = ~inside & mask
+        mask = mask & inside
+    else:
+        raise ValueError(f"unknown importance-weight mode {cfg.is_mode!r}")
+    per_token = per_token * weight
+    kl_mean = 0.0
+    if logp_ref is not None and cfg.kl_coef:
+        kl = kl_estimate(logp, logp_ref.detach(), cfg.kl_kind)
+        per_token = per_token + cfg.kl_coef * kl
+        kl_mean = float((kl * mask).sum() / mask.sum().clamp(min=1))
+    loss = aggregate(per_token, mask, cfg.aggregation)
+    with torch.no_grad():
+        n = mask.sum().clamp(min=1)
+        clip_hit = ((clipped > unclipped) & mask).sum() / n
+        wm = w[mask] if mask.any() else w.new_zeros(1)
+        metrics = {"clip_fraction": float(clip_hit), "is_weight_mean": float(wm.mean()),
+                   "is_weight_max": float(wm.max()), "is_weight_min": float(wm.min()),
+                   "is_limited_fraction": float(limited.sum() / mask.sum().clamp(min=1)), "kl": kl_mean}
+    return loss, metrics
