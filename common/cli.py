@@ -77,6 +77,21 @@ def explorer(config: ConfigArg = None, set: SetOpt = None,
 
 
 @app.command()
+def trainer(config: ConfigArg = None, set: SetOpt = None,
+            broker: Annotated[Optional[str], typer.Option(help="Broker address, e.g. tcp://HOST:5555.")] = None,
+            ) -> None:
+    """Run the trainer: batches by policy version, policy-gradient steps, weights to the explorers."""
+    sets = list(set or [])
+    if broker:
+        sets.append(f"broker.address={broker}")
+    cfg = _load(config, sets)
+    _logging(cfg, "trainer", peer=cfg.trainer.name)
+    from trainer.main import run
+
+    run(cfg)
+
+
+@app.command()
 def status(config: ConfigArg = None, set: SetOpt = None,
            broker: Annotated[Optional[str], typer.Option(help="Broker address, e.g. tcp://HOST:5555.")] = None,
            timeout: Annotated[float, typer.Option(help="Seconds to wait for the broker.")] = 5.0) -> None:

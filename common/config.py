@@ -78,10 +78,33 @@ class DataConfig(Section):
 class AlgorithmConfig(Section):
     advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = "grpo"
     """Advantage estimator."""
-    skip_zero_spread: bool = True
-    """Drop groups whose rewards are all equal before compute (no gradient under group-relative advantages)."""
+    skip_zero_spread: bool | None = None
+    """Drop groups whose rewards are all equal before compute; default: on for group-relative advantages."""
     fill_batch: bool = False
-    """Fetch further groups until the batch holds `batch_tasks` informative groups (dynamic sampling)."""
+    """async: wait until the batch holds `batch_tasks` informative groups (dynamic sampling); lockstep trains each batch's informative groups."""
+    clip_low: float = Field(0.2, ge=0)
+    """PPO clip: ratio floor 1 - clip_low."""
+    clip_high: float = Field(0.2, ge=0)
+    """PPO clip: ratio ceiling 1 + clip_high."""
+    dual_clip: float | None = Field(None, gt=1)
+    """Dual clip c: bounds the loss of negative-advantage tokens by -c * A (off when unset)."""
+    is_mode: Literal["truncate", "mask"] = "truncate"
+    """Off-policy importance weights: truncate at is_cap, or mask tokens outside [is_low, is_high]."""
+    is_cap: float = Field(2.0, gt=0)
+    """truncate: largest importance weight."""
+    is_low: float = Field(0.5, ge=0)
+    """mask: smallest importance weight kept."""
+    is_high: float = Field(2.0, gt=0)
+    """mask: largest importance weight kept."""
+    kl_coef: float = Field(0.0, ge=0)
+    """Weight of the KL term to the frozen reference model (0: no reference model is loaded)."""
+    kl_kind: Literal["k1", "k3"] = "k3"
+    """KL estimator."""
+    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    """How token losses become the batch loss."""
+
+    def drops_zero_spread(self) -> bool:
+        return self.advantage in ("grpo", "dr_grpo", "rloo") if self.skip_zero_spread is None else self.skip_zero_spread
 
 
 class SyncConfig(Section):
@@ -181,14 +204,34 @@ class ExplorerConfig(Section):
 
 
 class TrainerConfig(Section):
+    name: str = "trainer"
+    """Peer name."""
     lr: float = Field(1e-5, gt=0)
-    """Learning rate."""
+    """Learning rate (AdamW)."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear learning-rate warm-up."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Clip the gradient norm to this."""
     total_steps: int = Field(100, ge=0)
-    """Optimizer steps in the run."""
+    """Trainer steps in the run."""
+    micro_batch: int = Field(8, ge=1)
+    """Sequences per forward/backward pass (gradient accumulation over the batch)."""
     checkpoint_every: int = Field(10, ge=0)
-    """Save a training checkpoint every K steps (0: never)."""
+    """Save a training checkpoint every K steps (0: never; then every step is committed at once)."""
+    keep_checkpoints: int = Field(2, ge=1)
+    """Training checkpoints kept on disk."""
     seed: int = 0
     """Training seed."""
+    device: str = "cpu"
+    """Torch device (cpu, cuda, cuda:1, ...)."""
+    threads: int = Field(0, ge=0)
+    """CPU threads for torch (0: torch's default)."""
+    gradient_checkpointing: bool = False
+    """Trade compute for memory."""
+    fetch_wait_s: float = Field(5.0, gt=0)
+    """How long one FETCH waits at the broker for enough groups before asking again."""
 
 
 class RewardConfig(Section):

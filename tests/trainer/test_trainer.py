@@ -1,0 +1,149 @@
+"""The trainer against a real broker, on the tiny model."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from structlog.testing import capture_logs
+
+from common import protocol as P
+from common.config import load_config
+from common.trajectory import encode_payload
+
+LOGP = -math.log(49152)  # about what a random tiny model assigns: importance weights near 1
+
+
+def synthetic(gid: str, version: int = 0, repeat: int = 4, batch: int = 0, seed: int = 0, bad: dict | None = None):
+    """A group of trajectories with rewards 0/1 and random tokens; `bad` maps sample index -> a defect."""
+    rng = np.random.default_rng(abs(hash((gid, seed))) % (1 << 32))
+    items = []
+    for i in range(repeat):
+        prompt = rng.integers(0, 1000, 10).astype(np.int32)
+        resp = rng.integers(0, 1000, 6).astype(np.int32)
+        logp = np.full(6, LOGP, dtype=np.float32)
+        mask = np.ones(6, dtype=np.uint8)
+        defect = (bad or {}).get(i)
+        if defect == "nan":
+            logp[2] = np.nan
+        elif defect == "vocab":
+            resp[0] = 10 ** 6
+        elif defect == "empty":
+            resp, logp, mask = resp[:0], logp[:0], mask[:0]
+        elif defect == "lengths":
+            logp = logp[:3]
+        meta = {"id": f"{gid}.{i}", "group_id": gid, "task_id": gid, "group_size": repeat, "batch_index": batch,
+                "policy_version": version, "reward": float(i % 2), "n_tokens": len(resp)}
+        items.append((meta, encode_payload({"prompt_ids": prompt, "response_ids": resp, "logprobs": logp,
+                                            "loss_mask": mask})))
+    return items
+
+
+def trainer_config(b, tmp_path, *sets):
+    return load_config(None, [f"broker.address={b.address}", "broker.heartbeat_interval_s=0.2",
+                              f"run.dir={tmp_path}/run", "data.repeat=4", "data.batch_tasks=2",
+                              "trainer.lr=1e-3", "trainer.micro_batch=3", "trainer.checkpoint_every=0",
+                              "trainer.fetch_wait_s=1", "explorer.dtype=float32", *sets], environ={})
+
+
+def test_trainer_steps_publish_and_published_weights_match_in_transformers_and_vllm(
+        broker_factory, clients, tiny_model, engine, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from trainer.main import Trainer
+    from trainer.model import token_logprobs
+
+    b = broker_factory("sync.sync_style=async", "sync.max_staleness=4", "data.repeat=4", "data.batch_tasks=2")
+    ex = clients(b, "explorer", "feeder")
+    for g in range(4):
+        ex.put(synthetic(f"g{g}", batch=g // 2), timeout=10)
+    cfg = trainer_config(b, tmp_path, "sync.sync_style=async", "sync.max_staleness=4", "trainer.total_steps=2")
+    trainer = Trainer(cfg, tiny_model)
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    with capture_logs() as logs:
+        assert trainer.run() == 2
+    steps = [e for e in logs if e["event"] == "train_step"]
+    assert [s["step"] for s in steps] == [0, 1] and all(s["published"] for s in steps)
+    assert all(s["samples"] == 8 and s["tokens"] == 48 and math.isfinite(s["grad_norm"]) for s in steps)
+    assert any(not torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
+    weights = tmp_path / "run" / "weights" / "v2"
+    assert (weights / "config.json").exists() and (weights / "tokenizer.json").exists()
+    ids = torch.tensor([[1, 5, 9, 200, 31, 7, 42, 8]])
+    att = torch.ones_like(ids)
+    trainer.model.eval()
+    with torch.no_grad():
+        mine = trainer.model(ids).logits
+        theirs = AutoModelForCausalLM.from_pretrained(weights, dtype=torch.float32)(ids).logits
+    assert torch.allclose(mine, theirs, atol=1e-5)
+    from common.weights.digest import weights_digest
+
+    engine.load_checkpoint(str(weights), weights_digest(weights), 2)
+    try:
+        sample = engine.generate([ids[0].tolist()], n=1, max_tokens=6)[0][0]
+        full = torch.tensor([ids[0].tolist() + sample.token_ids])
+        with torch.no_grad():
+            ref, _ = token_logprobs(trainer.model, full, torch.ones_like(full))
+        want = ref[0, ids.shape[1] - 1:]
+        assert torch.allclose(want, torch.tensor(sample.logprobs), atol=2e-3), (want, sample.logprobs)
+    finally:
+        engine.load_checkpoint(tiny_model, weights_digest(tiny_model), 0)
+
+
+def test_stale_trajectories_are_never_trained_on(broker_factory, clients, tiny_model, tmp_path):
+    from trainer.main import Trainer
+
+    b = broker_factory("sync.sync_style=async", "sync.max_staleness=1", "data.repeat=4", "data.batch_tasks=2")
+    ex = clients(b, "explorer", "feeder")
+    for v in (0, 1, 2, 3):
+        ex.put(synthetic(f"v{v}", version=v), timeout=10)
+    cfg = trainer_config(b, tmp_path, "sync.sync_style=async", "sync.max_staleness=1", "trainer.total_steps=4",
+                         "data.batch_tasks=4")
+    trainer = Trainer(cfg, tiny_model)
+    trainer.step = trainer.version = 3  # as if resumed at step 3
+    with capture_logs() as logs:
+        trainer.run(max_steps=1)
+    step = next(e for e in logs if e["event"] == "train_step")
+    assert step["staleness"] == {"0": 4, "1": 4}, "only versions 2 and 3 are within 1 of step 3"
+    assert step["groups_expired"] == 2
+
+
+def test_bad_trajectories_are_rejected_with_reasons_and_training_goes_on(broker_factory, clients, tiny_model, tmp_path):
+    from trainer.main import Trainer
+
+    b = broker_factory("sync.sync_style=async", "sync.max_staleness=4", "data.repeat=4", "data.batch_tasks=2")
+    ex = clients(b, "explorer", "feeder")
+    ex.put(synthetic("bad1", bad={0: "nan", 1: "vocab"}), timeout=10)
+    ex.put(synthetic("bad2", bad={2: "empty", 3: "lengths"}), timeout=10)
+    ex.put(synthetic("good1", batch=1) + synthetic("good2", batch=1), timeout=10)
+    cfg = trainer_config(b, tmp_path, "sync.sync_style=async", "sync.max_staleness=4", "trainer.total_steps=2")
+    trainer = Trainer(cfg, tiny_model)
+    with capture_logs() as logs:
+        assert trainer.run() == 2
+    reasons = {e["reason"] for e in logs if e["event"] == "trajectory_rejected"}
+    assert reasons == {"non-finite logprobs", "token ids outside the vocabulary [0, 49152)", "empty response",
+                       "lengths differ: response 6, logprobs 3, loss_mask 6"}
+    steps = [e for e in logs if e["event"] == "train_step"]
+    assert steps[0]["samples"] == 4 and sum(steps[0]["rejected"].values()) == 4
+    assert steps[1]["samples"] == 8 and not steps[1]["rejected"]
+
+
+def test_nothing_to_train_still_counts_as_the_step(broker_factory, clients, tiny_model, tmp_path):
+    """Lockstep: an all-zero-spread batch produces no update, but the version moves so explorers never stall."""
+    from trainer.main import Trainer
+
+    b = broker_factory("sync.sync_style=lockstep", "data.repeat=4", "data.batch_tasks=1")
+    ex = clients(b, "explorer", "feeder")
+    lease = ex.request(P.LEASE, {"max_tasks": 1, "policy_version": 0}).header["tasks"][0]
+    flat = [(dict(m, reward=1.0), p) for m, p in synthetic(lease["lease_id"], batch=0)]
+    ex.put(flat, timeout=10)
+    cfg = trainer_config(b, tmp_path, "trainer.total_steps=1", "data.batch_tasks=1")
+    trainer = Trainer(cfg, tiny_model)
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    with capture_logs() as logs:
+        trainer.run()
+    step = next(e for e in logs if e["event"] == "train_step")
+    assert step["samples"] == 0 and step["groups_dropped"] == 1 and step["new_version"] == 1
+    assert all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
+    assert clients(b, "tool", "t").weights["version"] == 1

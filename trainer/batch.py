@@ -1,0 +1,138 @@
+"""From a BATCH reply to padded training tensors.
+
+Each trajectory is decoded and checked before it can reach the model: NaN or
+infinite logprobs, logprobs above zero, token ids outside the vocabulary,
+empty responses and arrays of mismatched lengths are rejected with a logged
+reason (the rest of the batch trains). Advantages are computed per group over
+the samples that passed; groups whose rewards are all equal are dropped when
+the estimator is group-relative.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import structlog
+import torch
+
+from common import protocol as P
+from common.trajectory import decode_payload
+from trainer.algorithms import advantages, group_relative, zero_spread_groups
+
+log = structlog.get_logger()
+
+
+@dataclass
+class Sample:
+    id: str
+    group: int
+    reward: float
+    policy_version: int
+    prompt_ids: np.ndarray
+    response_ids: np.ndarray
+    logprobs: np.ndarray
+    loss_mask: np.ndarray
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # [B, T] prompt + response, right-padded
+    attention_mask: torch.Tensor  # [B, T]
+    loss_mask: torch.Tensor  # [B, T-1] over predicted positions: 1 where a response token is trained
+    behaviour_logprobs: torch.Tensor  # [B, T-1], aligned with loss_mask
+    advantages: torch.Tensor  # [B]
+    rewards: torch.Tensor  # [B]
+    versions: list[int]
+    ids: list[str]
+    rejected: dict[str, int]
+    dropped_groups: int
+    groups: int
+
+    @property
+    def size(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def tokens(self) -> int:
+        return int(self.loss_mask.sum())
+
+
+def check(body: dict[str, Any], vocab_size: int) -> str | None:
+    """Why a decoded trajectory cannot be trained on, or None."""
+    try:
+        resp, logp, mask, prompt = (body["response_ids"], body["logprobs"], body["loss_mask"], body["prompt_ids"])
+    except KeyError as exc:
+        return f"missing field {exc}"
+    if len(resp) == 0:
+        return "empty response"
+    if not (len(resp) == len(logp) == len(mask)):
+        return f"lengths differ: response {len(resp)}, logprobs {len(logp)}, loss_mask {len(mask)}"
+    if len(prompt) == 0:
+        return "empty prompt"
+    if not np.all(np.isfinite(logp)):
+        return "non-finite logprobs"
+    if np.any(logp > 1e-4):
+        return "logprobs above zero"
+    ids = np.concatenate([prompt, resp])
+    if ids.min() < 0 or ids.max() >= vocab_size:
+        return f"token ids outside the vocabulary [0, {vocab_size})"
+    return None
+
+
+def decode_batch(reply: P.Message, vocab_size: int) -> tuple[list[Sample], dict[str, int]]:
+    metas = [t for g in reply.header["groups"] for t in g["trajectories"]]
+    group_of = {t["id"]: gi for gi, g in enumerate(reply.header["groups"]) for t in g["trajectories"]}
+    samples, rejected = [], {}
+    for meta, frame in zip(metas, P.split_payloads(metas, reply.payloads)):
+        try:
+            body = decode_payload(bytes(frame))
+        except Exception as exc:  # a payload that does not decode is one bad trajectory, not a dead trainer
+            reason = f"payload does not decode: {exc}"
+        else:
+            reason = check(body, vocab_size)
+        if reason is None and not math.isfinite(meta["reward"]):
+            reason = "non-finite reward"
+        if reason is not None:
+            rejected[reason] = rejected.get(reason, 0) + 1
+            log.warning("trajectory_rejected", trajectory=meta["id"], reason=reason, explorer=meta.get("explorer"))
+            continue
+        samples.append(Sample(meta["id"], group_of[meta["id"]], float(meta["reward"]), meta["policy_version"],
+                              body["prompt_ids"], body["response_ids"], body["logprobs"], body["loss_mask"]))
+    return samples, rejected
+
+
+def build_batch(samples: list[Sample], rejected: dict[str, int], estimator: str, drop_zero_spread: bool,
+                pad_id: int) -> Batch | None:
+    """Advantages, dropping of uninformative groups, and padding; None if nothing is left to train on."""
+    groups = len({s.group for s in samples})
+    if not samples:
+        return None
+    rewards = torch.tensor([s.reward for s in samples])
+    gids = torch.tensor([s.group for s in samples])
+    adv = advantages(rewards, gids, estimator)
+    dropped: set[int] = set()
+    if drop_zero_spread and group_relative(estimator):
+        dropped = zero_spread_groups(rewards, gids)
+    keep = [i for i, s in enumerate(samples) if s.group not in dropped]
+    if not keep:
+        return Batch(torch.empty(0, 0, dtype=torch.long), torch.empty(0, 0), torch.empty(0, 0), torch.empty(0, 0),
+                     torch.empty(0), rewards, [s.policy_version for s in samples], [], rejected, len(dropped), groups)
+    kept = [samples[i] for i in keep]
+    length = max(len(s.prompt_ids) + len(s.response_ids) for s in kept)
+    n = len(kept)
+    input_ids = torch.full((n, length), pad_id, dtype=torch.long)
+    attention = torch.zeros(n, length)
+    loss_mask = torch.zeros(n, length - 1)
+    behaviour = torch.zeros(n, length - 1)
+    for row, s in enumerate(kept):
+        p, r = len(s.prompt_ids), len(s.response_ids)
+        input_ids[row, :p + r] = torch.from_numpy(np.concatenate([s.prompt_ids, s.response_ids]).astype(np.int64))
+        attention[row, :p + r] = 1
+        # Position j predicts token j + 1: response token k sits at p + k and is predicted at p + k - 1.
+        loss_mask[row, p - 1:p - 1 + r] = torch.from_numpy(s.loss_mask.astype(np.float32))
+        behaviour[row, p - 1:p - 1 + r] = torch.from_numpy(s.logprobs.astype(np.float32))
+    return Batch(input_ids, attention, loss_mask, behaviour, adv[keep], rewards, [s.policy_version for s in samples],
+                 [s.id for s in kept], rejected, len(dropped), groups)

@@ -1,0 +1,64 @@
+"""Training checkpoints for resume: model, optimizer, scheduler, RNG states, step and version.
+
+Saved as `checkpoints/step_XXXXXXXX/` through a temporary directory and an
+atomic rename; the newest complete one is what a restarted trainer resumes
+from. The trainer COMMITs a step to the broker only once a checkpoint covers
+it, so the broker re-delivers exactly the batches a resumed trainer has not
+trained yet.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def rng_state() -> dict[str, Any]:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
+def save(directory: str | Path, step: int, version: int, model, optimizer, scheduler, keep: int = 2) -> Path:
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{step:08d}"
+    tmp = root / f".step_{step:08d}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(), "rng": rng_state(), "step": step, "version": version},
+               tmp / "state.pt")
+    with open(tmp / "state.pt", "rb") as f:
+        os.fsync(f.fileno())
+    if final.exists():
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    for old in sorted(root.glob("step_*"))[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def latest(directory: str | Path) -> Path | None:
+    found = sorted(Path(directory).glob("step_*/state.pt"))
+    return found[-1].parent if found else None
+
+
+def load(path: str | Path, model, optimizer, scheduler) -> tuple[int, int]:
+    """Restore everything; returns (step, version) of the checkpoint."""
+    state = torch.load(Path(path) / "state.pt", map_location="cpu", weights_only=False)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    set_rng_state(state["rng"])
+    return state["step"], state["version"]

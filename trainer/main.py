@@ -1,0 +1,241 @@
+"""The trainer process (`rlbus trainer`): fetch by version, step, commit, publish.
+
+Step t (0-based) trains the policy of version t and produces version t + 1:
+
+1. FETCH the batch of step t: in `lockstep` the groups of explorer batch t
+   (the broker answers once every task of it is resolved); in `async` up to
+   `batch_tasks` groups within the staleness bound, at least `batch_tasks`
+   informative ones with `fill_batch`. The broker leaves out stale groups and,
+   for group-relative advantages, all-equal-reward ones.
+2. Check and pad the trajectories (trainer/batch.py), compute advantages,
+   and take one optimizer step over micro-batches with gradient
+   accumulation. A batch with nothing left to train on still counts as the
+   step (no update), so lockstep explorers are never left waiting.
+3. Every `sync_interval` steps publish the weights (trainer/publish.py).
+4. Every `checkpoint_every` steps save a training checkpoint and COMMIT the
+   steps it covers; a restarted trainer resumes from it and the broker
+   re-delivers the batches it had not committed.
+
+One `train_step` log line per step carries the canonical metrics.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import structlog
+import torch
+
+from common import protocol as P
+from common.client import BrokerClient
+from common.config import RunConfig
+from common.logging import bind
+from trainer import checkpoint
+from trainer.algorithms import LossConfig, policy_loss
+from trainer.batch import Batch, build_batch, decode_batch
+from trainer.model import DTYPES, load_model, token_logprobs
+from trainer.publish import CheckpointPublisher, Publisher
+
+log = structlog.get_logger()
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, model_path: str, publisher: Publisher | None = None):
+        from transformers import AutoTokenizer
+
+        self.cfg = cfg
+        t, a = cfg.trainer, cfg.algorithm
+        if t.threads:
+            torch.set_num_threads(t.threads)
+        seed_everything(t.seed)
+        self.model = load_model(model_path, cfg)
+        self.reference = load_model(model_path, cfg, trainable=False) if a.kl_coef > 0 else None
+        tok = AutoTokenizer.from_pretrained(model_path)
+        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+        self.vocab = self.model.config.vocab_size
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+        warm = max(1, t.warmup_steps)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warm))
+        self.loss_cfg = LossConfig(a.clip_low, a.clip_high, a.dual_clip, a.is_mode, a.is_cap, a.is_low, a.is_high,
+                                   a.kl_coef, a.kl_kind, a.aggregation)
+        run_dir = Path(cfg.run.dir)
+        self.ckpt_dir = run_dir / "checkpoints"
+        self.publisher = publisher or CheckpointPublisher(run_dir / "weights", model_path,
+                                                          dtype=DTYPES[cfg.explorer.dtype])
+        self.step = 0
+        self.version = 0
+        self.temperature = cfg.explorer.temperature or 1.0
+        self._stop = False
+        self.client: BrokerClient | None = None
+
+    def stop(self) -> None:
+        self._stop = True
+
+    # ---- resume -----------------------------------------------------------
+
+    def resume(self) -> None:
+        path = checkpoint.latest(self.ckpt_dir)
+        if path is None:
+            return
+        step, version = checkpoint.load(path, self.model, self.optimizer, self.scheduler)
+        self.step, self.version = step + 1, version
+        log.info("trainer_resumed", checkpoint=str(path), step=self.step, policy_version=version)
+
+    # ---- one step ---------------------------------------------------------
+
+    def fetch(self) -> tuple[P.Message | None, float]:
+        c, a = self.cfg, self.cfg.algorithm
+        header = {"step": self.step, "max_groups": c.data.batch_tasks, "skip_zero_spread": a.drops_zero_spread(),
+                  "wait_ms": int(c.trainer.fetch_wait_s * 1000)}
+        if c.sync.sync_style == "lockstep":
+            header["batch_index"] = self.step
+        else:
+            header["min_groups"] = c.data.batch_tasks if a.fill_batch else 1
+        started = time.monotonic()
+        while not self._stop:
+            reply = self.client.request(P.FETCH, header, timeout=c.trainer.fetch_wait_s + 30)
+            if reply.command == P.BATCH:
+                return reply, time.monotonic() - started
+        return None, time.monotonic() - started
+
+    def train_on(self, batch: Batch) -> dict[str, float]:
+        """One optimizer step over the batch, in micro-batches; returns metrics."""
+        self.optimizer.zero_grad(set_to_none=True)
+        mb = self.cfg.trainer.micro_batch
+        by_tokens = self.cfg.algorithm.aggregation == "token-mean"
+        total = batch.tokens if by_tokens else batch.size
+        sums: Counter[str] = Counter()
+        entropy_sum = 0.0
+        for start in range(0, batch.size, mb):
+            sl = slice(start, start + mb)
+            ids, att = batch.input_ids[sl].to(self.cfg.trainer.device), batch.attention_mask[sl].to(self.cfg.trainer.device)
+            mask = batch.loss_mask[sl].to(ids.device)
+            logp, entropy = token_logprobs(self.model, ids, att, self.temperature, with_entropy=True)
+            ref = None
+            if self.reference is not None:
+                with torch.no_grad():
+                    ref, _ = token_logprobs(self.reference, ids, att, self.temperature)
+            # One update per batch: the proximal policy is the current one (detached).
+            loss, m = policy_loss(logp, logp.detach(), batch.behaviour_logprobs[sl].to(ids.device),
+                                  batch.advantages[sl].to(ids.device), mask, self.loss_cfg, ref)
+            share = (mask.sum().item() if by_tokens else mask.shape[0]) / max(1, total)
+            (loss * share).backward()
+            n_tok = mask.sum().item()
+            entropy_sum += float((entropy * mask).sum())
+            sums["loss"] += loss.item() * share
+            for k, v in m.items():
+                sums[k] += v * n_tok
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        n = max(1, batch.tokens)
+        out = {k: v / n for k, v in sums.items() if k != "loss"}
+        out.update(loss=sums["loss"], grad_norm=float(grad_norm), entropy=entropy_sum / n,
+                   lr=self.scheduler.get_last_lr()[0])
+        return out
+
+    def run_step(self) -> bool:
+        """Fetch, train, publish and commit one step; False when stopped."""
+        step_started = time.monotonic()
+        reply, wait_s = self.fetch()
+        if reply is None:
+            return False
+        compute_started = time.monotonic()
+        samples, rejected = decode_batch(reply, self.vocab)
+        batch = build_batch(samples, rejected, self.cfg.algorithm.advantage, self.cfg.algorithm.drops_zero_spread(),
+                            self.pad_id)
+        metrics: dict[str, float] = {}
+        if batch is not None and batch.size:
+            metrics = self.train_on(batch)
+        compute_s = time.monotonic() - compute_started
+        publish_started = time.monotonic()
+        self.version = self.step + 1
+        published = False
+        if self.version % self.cfg.sync.sync_interval == 0:
+            state = self.publisher.publish(self.model, self.version, self.step)
+            self.client.request(P.PUBLISH, state)
+            published = True
+        self._checkpoint_and_commit()
+        publish_s = time.monotonic() - publish_started
+        total_s = time.monotonic() - step_started
+        self._log_step(reply, batch, metrics, wait_s, compute_s, publish_s, total_s, published)
+        self.step += 1
+        bind(step=self.step, policy_version=self.version)
+        return True
+
+    def _checkpoint_and_commit(self) -> None:
+        every = self.cfg.trainer.checkpoint_every
+        if every == 0:
+            self.client.request(P.COMMIT, {"step": self.step})
+        elif (self.step + 1) % every == 0:
+            checkpoint.save(self.ckpt_dir, self.step, self.version, self.model, self.optimizer, self.scheduler,
+                            self.cfg.trainer.keep_checkpoints)
+            self.client.request(P.COMMIT, {"step": self.step})
+
+    def _log_step(self, reply, batch, metrics, wait_s, compute_s, publish_s, total_s, published) -> None:
+        rewards = batch.rewards if batch is not None else torch.empty(0)
+        staleness = Counter(self.step - v for v in (batch.versions if batch is not None else []))
+        adv = batch.advantages if batch is not None and batch.size else torch.zeros(1)
+        tokens = batch.tokens if batch is not None and batch.size else 0
+        log.info("train_step", step=self.step, policy_version=self.step, new_version=self.version,
+                 groups=batch.groups if batch is not None else 0,
+                 groups_dropped=(batch.dropped_groups if batch is not None else 0) + reply.header.get("skipped", 0)
+                 // max(1, self.cfg.data.repeat),
+                 groups_expired=reply.header.get("expired", 0) // max(1, self.cfg.data.repeat),
+                 samples=batch.size if batch is not None else 0, rejected=batch.rejected if batch is not None else {},
+                 reward_mean=round(float(rewards.mean()), 4) if rewards.numel() else None,
+                 reward_std=round(float(rewards.std()), 4) if rewards.numel() > 1 else None,
+                 adv_mean=round(float(adv.mean()), 4), adv_std=round(float(adv.std()), 4) if adv.numel() > 1 else 0.0,
+                 adv_abs_max=round(float(adv.abs().max()), 4),
+                 **{k: round(v, 5) for k, v in metrics.items()},
+                 staleness={str(k): v for k, v in sorted(staleness.items())}, tokens=tokens,
+                 tokens_per_s=round(tokens / compute_s, 1) if compute_s > 0 else 0.0,
+                 wait_s=round(wait_s, 3), compute_s=round(compute_s, 3), publish_s=round(publish_s, 3),
+                 step_s=round(total_s, 3), published=published)
+
+    # ---- the process ------------------------------------------------------
+
+    def connect(self) -> None:
+        b = self.cfg.broker
+        self.client = BrokerClient(b.address, "trainer", self.cfg.trainer.name, bus_address=None,
+                                   heartbeat_interval_s=b.heartbeat_interval_s, liveness=b.liveness,
+                                   policy_version=self.version, curve_server_key=b.curve_server_key,
+                                   curve_client_key=b.curve_client_key)
+        self.client.start(timeout=60)
+        bind(peer=self.cfg.trainer.name, step=self.step, policy_version=self.version)
+
+    def run(self, max_steps: int | None = None) -> int:
+        self.resume()
+        if self.client is None:
+            self.connect()
+        done = 0
+        try:
+            while not self._stop and self.step < self.cfg.trainer.total_steps and (max_steps is None or done < max_steps):
+                if not self.run_step():
+                    break
+                done += 1
+        finally:
+            self.client.close(bye=True)
+        log.info("trainer_stopped", step=self.step, policy_version=self.version)
+        return done
+
+
+def run(cfg: RunConfig) -> None:
+    """Entry point of `rlbus trainer`."""
+    from explorer.models import resolve_model
+
+    trainer = Trainer(cfg, resolve_model(cfg.model.path, cfg.model.cache_dir))
+    signal.signal(signal.SIGTERM, lambda *_: trainer.stop())
+    signal.signal(signal.SIGINT, lambda *_: trainer.stop())
+    trainer.run()

@@ -1,0 +1,42 @@
+"""The policy (and, with a KL term, a frozen reference) as HF transformers models, and their token logprobs."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from common.config import RunConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_model(path: str, cfg: RunConfig, trainable: bool = True):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[cfg.model.dtype]).to(cfg.trainer.device)
+    if trainable:
+        model.train()
+        if cfg.trainer.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        # Sampling has no dropout: training must see the same distribution.
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
+    else:
+        model.eval().requires_grad_(False)
+    return model
+
+
+def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0,
+                   with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(token t+1 | tokens <= t) for every position, [B, T-1]; optionally the entropy there."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
+    if temperature and temperature != 1.0:
+        logits = logits / temperature
+    logp_all = F.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
