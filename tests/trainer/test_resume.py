@@ -1,0 +1,91 @@
+"""Resume: a trainer SIGKILLed after step k continues from its checkpoint and ends with the same weights."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+
+import torch
+from safetensors.torch import load_file
+
+from common import protocol as P
+from tests.conftest import REPO
+from tests.trainer.test_trainer import synthetic
+
+STEPS = 6
+
+
+def start_trainer(b, run_dir, tiny_model, log_path):
+    args = [sys.executable, "-m", "common.cli", "trainer", "--broker", b.address]
+    for s in ("broker.heartbeat_interval_s=0.2", f"run.dir={run_dir}", f"model.path={tiny_model}",
+              "data.repeat=4", "data.batch_tasks=2", "sync.sync_style=async", "sync.max_staleness=100",
+              "trainer.lr=1e-3", "trainer.micro_batch=3", f"trainer.total_steps={STEPS}", "trainer.checkpoint_every=2",
+              "trainer.fetch_wait_s=1", "trainer.threads=1", "explorer.dtype=float32", "logging.format=json",
+              f"logging.file={log_path}"):
+        args += ["--set", s]
+    return subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def steps_logged(path):
+    if not path.exists():
+        return []
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()
+            if '"train_step"' in line]
+
+
+def delivered(b):
+    db = sqlite3.connect(b.data_dir / "buffer.sqlite3")
+    rows = {step: P.unpack(groups) for step, groups in db.execute("SELECT step, groups FROM batches ORDER BY step")}
+    db.close()
+    return rows
+
+
+def feed(b, clients):
+    ex = clients(b, "explorer", "feeder")
+    for g in range(2 * STEPS):
+        ex.put(synthetic(f"g{g}", batch=g // 2, seed=7), timeout=10)
+
+
+def test_sigkill_and_resume_gives_the_weights_of_an_uninterrupted_run(broker_factory, clients, tiny_model, tmp_path):
+    sets = ("sync.sync_style=async", "sync.max_staleness=100", "data.repeat=4", "data.batch_tasks=2")
+    # The uninterrupted run.
+    a = broker_factory(*sets)
+    feed(a, clients)
+    proc = start_trainer(a, tmp_path / "a", tiny_model, tmp_path / "a.jsonl")
+    assert proc.wait(300) == 0
+    # The same data, a trainer killed after step 4 (its last checkpoint covers step 3), then restarted.
+    b = broker_factory(*sets)
+    feed(b, clients)
+    proc = start_trainer(b, tmp_path / "b", tiny_model, tmp_path / "b.jsonl")
+    try:
+        deadline = time.monotonic() + 300
+        while 4 not in steps_logged(tmp_path / "b.jsonl") and time.monotonic() < deadline:
+            assert proc.poll() is None, "trainer exited early"
+            time.sleep(0.02)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    proc = start_trainer(b, tmp_path / "b", tiny_model, tmp_path / "b.jsonl")
+    assert proc.wait(300) == 0
+    logged = steps_logged(tmp_path / "b.jsonl")
+    assert logged[:5] == [0, 1, 2, 3, 4] and logged[5:] == [4, 5], "resumed at step 4, from the step-3 checkpoint"
+    resumed = [json.loads(line) for line in (tmp_path / "b.jsonl").read_text().splitlines() if "trainer_resumed" in line]
+    assert resumed and resumed[0]["step"] == 4
+    # The same batch for every step, each group in exactly one step: nothing trained twice.
+    assert delivered(a) == delivered(b)
+    groups = [g for gs in delivered(b).values() for g in gs]
+    assert len(groups) == len(set(groups)) == 2 * STEPS
+    wa = load_file(tmp_path / "a" / "weights" / f"v{STEPS}" / "model.safetensors")
+    wb = load_file(tmp_path / "b" / "weights" / f"v{STEPS}" / "model.safetensors")
+    assert wa.keys() == wb.keys()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa), "bitwise equal final weights"
+    w0 = load_file(os.path.join(tiny_model, "model.safetensors"))
+    assert any(not torch.equal(wa[k], w0[k]) for k in wa), "training changed the weights"
