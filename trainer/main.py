@@ -25,6 +25,7 @@ import random
 import signal
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -78,6 +79,9 @@ class Trainer:
         self.temperature = cfg.explorer.temperature or 1.0
         self._stop = False
         self.client: BrokerClient | None = None
+        # One thread: weights are written and PUBLISHed in version order while training goes on.
+        self._publish_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlbus-publish")
+        self._publishes: list = []
 
     def stop(self) -> None:
         self._stop = True
@@ -163,8 +167,7 @@ class Trainer:
         self.version = self.step + 1
         published = False
         if self.version % self.cfg.sync.sync_interval == 0:
-            state = self.publisher.publish(self.model, self.version, self.step)
-            self.client.request(P.PUBLISH, state)
+            self._publish_async(self.version, self.step)
             published = True
         self._checkpoint_and_commit()
         publish_s = time.monotonic() - publish_started
@@ -173,6 +176,28 @@ class Trainer:
         self.step += 1
         bind(step=self.step, policy_version=self.version)
         return True
+
+    def _publish_async(self, version: int, step: int) -> None:
+        """Snapshot the weights now; write, digest and PUBLISH them on the publishing thread, in order."""
+        self._check_publishes()
+        snapshot = self.publisher.snapshot(self.model)
+
+        def job() -> None:
+            state = self.publisher.publish(snapshot, version, step)
+            self.client.request(P.PUBLISH, state)
+            log.info("weights_published", policy_version=version, location=state["location"])
+
+        self._publishes.append(self._publish_pool.submit(job))
+
+    def _check_publishes(self, wait: bool = False) -> None:
+        """Raise the error of a failed publish, if any; with `wait`, wait for all first."""
+        still = []
+        for future in self._publishes:
+            if wait or future.done():
+                future.result()
+            else:
+                still.append(future)
+        self._publishes = still
 
     def _checkpoint_and_commit(self) -> None:
         every = self.cfg.trainer.checkpoint_every
@@ -226,7 +251,10 @@ class Trainer:
                     break
                 done += 1
         finally:
-            self.client.close(bye=True)
+            try:
+                self._check_publishes(wait=True)
+            finally:
+                self.client.close(bye=True)
         log.info("trainer_stopped", step=self.step, policy_version=self.version)
         return done
 

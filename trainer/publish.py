@@ -1,8 +1,10 @@
 """Publishing weights to explorers, behind one small interface.
 
-`Publisher.publish(model, version, step)` makes the weights available and
-returns the weight state that goes into PUBLISH (version, method, location,
-digest, step). `CheckpointPublisher` writes `weights/v{version}/`
+`Publisher.snapshot(model)` copies the weights (one memory copy, in the
+explorers' dtype) so training can go on; `Publisher.publish(snapshot,
+version, step)`, run on the trainer's publishing thread, makes them available
+and returns the weight state that goes into PUBLISH (version, method,
+location, digest, step). `CheckpointPublisher` writes `weights/v{version}/`
 (safetensors, config, tokenizer, chat template) into a temporary directory,
 fsyncs it, computes the digest, and renames it into place atomically, so an
 explorer never sees half a checkpoint. The broadcast publisher plugs in
@@ -23,7 +25,8 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
 
 
 class Publisher(Protocol):
-    def publish(self, model, version: int, step: int) -> dict[str, Any]: ...
+    def snapshot(self, model) -> Any: ...
+    def publish(self, snapshot: Any, version: int, step: int) -> dict[str, Any]: ...
 
 
 def _fsync_dir(path: Path) -> None:
@@ -50,13 +53,23 @@ class CheckpointPublisher:
         self.keep = keep
         self.dtype = dtype  # the explorers' dtype: half the bytes of float32 for bfloat16, no cast on load
 
-    def publish(self, model, version: int, step: int) -> dict[str, Any]:
+    def snapshot(self, model) -> tuple[Any, dict[str, Any]]:
+        """The model and a copy of its weights, taken now (training may change them meanwhile)."""
+        copies: dict[int, Any] = {}
+        state = {}
+        for name, tensor in model.state_dict().items():
+            # Tied weights (embedding and LM head) stay one tensor, so they are saved once.
+            key = tensor.data_ptr()
+            if key not in copies:
+                copies[key] = tensor.detach().to(self.dtype or tensor.dtype, copy=True)
+            state[name] = copies[key]
+        return model, state
+
+    def publish(self, snapshot: tuple[Any, dict[str, Any]], version: int, step: int) -> dict[str, Any]:
+        model, state = snapshot
         final = self.dir / f"v{version}"
         tmp = self.dir / f".v{version}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        state = None
-        if self.dtype is not None:
-            state = {k: v.detach().to(self.dtype) for k, v in model.state_dict().items()}
         model.save_pretrained(tmp, safe_serialization=True, state_dict=state)
         for name in _TOKENIZER_FILES:
             if (self.base / name).exists():
