@@ -125,11 +125,11 @@ class Trainer:
             sl = slice(start, start + mb)
             ids, att = batch.input_ids[sl].to(self.cfg.trainer.device), batch.attention_mask[sl].to(self.cfg.trainer.device)
             mask = batch.loss_mask[sl].to(ids.device)
-            logp, entropy = token_logprobs(self.model, ids, att, self.temperature, with_entropy=True)
+            logp, entropy = token_logprobs(self.model, ids, att, self.temperature, with_entropy=True, positions=mask)
             ref = None
             if self.reference is not None:
                 with torch.no_grad():
-                    ref, _ = token_logprobs(self.reference, ids, att, self.temperature)
+                    ref, _ = token_logprobs(self.reference, ids, att, self.temperature, positions=mask)
             # One update per batch: the proximal policy is the current one (detached).
             loss, m = policy_loss(logp, logp.detach(), batch.behaviour_logprobs[sl].to(ids.device),
                                   batch.advantages[sl].to(ids.device), mask, self.loss_cfg, ref)

@@ -28,15 +28,28 @@ def load_model(path: str, cfg: RunConfig, trainable: bool = True):
 
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0,
-                   with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log p(token t+1 | tokens <= t) for every position, [B, T-1]; optionally the entropy there."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
+                   with_entropy: bool = False, positions: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(token t+1 | tokens <= t), [B, T-1]; optionally the entropy there.
+
+    With `positions` (a [B, T-1] mask), the LM head and the softmax over the
+    vocabulary run only where it is set (elsewhere the result is 0): for a
+    135M model with a 49k vocabulary they are a large part of the cost, and
+    prompt positions are never trained.
+    """
+    decoder = model.get_decoder()
+    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state[:, :-1]
+    targets = input_ids[:, 1:]
+    where = positions.bool() if positions is not None else torch.ones_like(targets, dtype=torch.bool)
+    logits = model.get_output_embeddings()(hidden[where]).float()
     if temperature and temperature != 1.0:
         logits = logits / temperature
     logp_all = F.log_softmax(logits, dim=-1)
-    logp = logp_all.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    logp = torch.zeros(targets.shape, dtype=logp_all.dtype, device=logp_all.device)
+    logp[where] = logp_all.gather(-1, targets[where][:, None]).squeeze(-1)
     entropy = None
     if with_entropy:
         with torch.no_grad():
-            entropy = -(logp_all.exp() * logp_all).sum(-1)
+            entropy = torch.zeros_like(logp)
+            entropy[where] = -(logp_all.exp() * logp_all).sum(-1)
     return logp, entropy
