@@ -28,7 +28,7 @@ model: $(STAMP)
 	$(BIN)/rlbus model prepare smollm2-135m
 
 run: $(STAMP) model
-	$(BIN)/rlbus broker $(CONFIG)
+	$(BIN)/rlbus up $(CONFIG)
 
 test: $(STAMP) model
 	$(BIN)/python -m pytest -q

@@ -59,6 +59,16 @@ def broker(config: ConfigArg = None, set: SetOpt = None,
 
 
 @app.command()
+def up(config: ConfigArg = None, set: SetOpt = None) -> None:
+    """Run the whole system on this machine: broker, trainer and explorers as child processes."""
+    cfg = _load(config, set)
+    _logging(cfg, "up")
+    from common.launcher import run
+
+    raise typer.Exit(run(cfg))
+
+
+@app.command()
 def explorer(config: ConfigArg = None, set: SetOpt = None,
              broker: Annotated[Optional[str], typer.Option(help="Broker address, e.g. tcp://HOST:5555.")] = None,
              name: Annotated[Optional[str], typer.Option(help="Peer name (default: explorer-HOST-PID).")] = None,

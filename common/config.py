@@ -248,6 +248,23 @@ class LoggingConfig(Section):
     """Also append JSON lines to this file (empty: no file sink)."""
 
 
+class LaunchConfig(Section):
+    explorers: int = Field(1, ge=0)
+    """Explorer processes `rlbus up` starts."""
+    broker_cpus: str = ""
+    """Cores the broker is pinned to, e.g. "0" or "0-1" (empty: not pinned)."""
+    trainer_cpus: str = ""
+    """Cores the trainer is pinned to."""
+    explorer_cpus: list[str] = []
+    """Cores per explorer, in order (explorer i gets entry i; missing entries: not pinned)."""
+    on_crash: Literal["stop", "restart"] = "stop"
+    """When a component exits with an error: stop the run, or start it again."""
+    max_restarts: int = Field(3, ge=0)
+    """Restarts per component before the run is stopped anyway."""
+    status_interval_s: float = Field(5.0, gt=0)
+    """How often `rlbus up` prints a progress line."""
+
+
 class RunSection(Section):
     name: str = "rlbus"
     """Run name, used in the run directory and the run id."""
@@ -267,6 +284,7 @@ class RunConfig(Section):
     trainer: TrainerConfig = TrainerConfig()
     reward: RewardConfig = RewardConfig()
     logging: LoggingConfig = LoggingConfig()
+    launch: LaunchConfig = LaunchConfig()
 
     def buffer_dir(self) -> Path:
         return Path(self.buffer.dir) if self.buffer.dir else Path(self.run.dir) / "buffer"
@@ -359,6 +377,17 @@ def load_config(path: str | Path | None = None, sets: list[str] | None = None,
         return RunConfig.model_validate(tree)
     except ValidationError as err:
         raise ConfigError(_describe(err)) from None
+
+
+def parse_cpus(spec: str) -> set[int]:
+    """ "0", "0-1", "0,2-3" -> a set of core numbers."""
+    cores: set[int] = set()
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        lo, _, hi = part.partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()):
+            raise ConfigError(f"cpu list {spec!r}: use numbers and ranges like 0,2-3")
+        cores.update(range(int(lo), int(hi or lo) + 1))
+    return cores
 
 
 def dump_config(cfg: RunConfig) -> str:

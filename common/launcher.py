@@ -1,0 +1,225 @@
+"""`rlbus up CONFIG`: the whole system on one machine, as child processes.
+
+Everything goes into one run directory: `config.yaml` (the effective config,
+which every child reads), `logs/<component>.jsonl` (structured logs) and
+`logs/<component>.out` (anything else a child prints), the buffer, the
+weights and the checkpoints. Children start in order (broker, trainer,
+explorers), each in its own process group (so stopping one stops its vLLM
+engine processes too) and, if configured, pinned to its cores.
+
+While they run, a progress line shows the trainer's step and reward, each
+explorer's policy version, the buffer depth and how many explorers are
+connected. The run ends when the trainer finishes its steps, on Ctrl-C or
+SIGTERM, or when a component fails (`launch.on_crash: stop`; with `restart`
+it is started again, up to `launch.max_restarts` times). Stopping sends
+SIGTERM to the explorers and the trainer, then the broker, and SIGKILL to any
+group still there after a grace period.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+
+from common.config import RunConfig, dump_config, parse_cpus
+
+log = structlog.get_logger()
+
+GRACE_S = 20.0
+
+
+@dataclass
+class Child:
+    name: str
+    command: str
+    cpus: set[int]
+    extra: list[str] = field(default_factory=list)
+    proc: subprocess.Popen | None = None
+    restarts: int = 0
+
+
+class Launcher:
+    def __init__(self, cfg: RunConfig):
+        if cfg.broker.port == 0 or cfg.broker.pub_port == 0:
+            raise ValueError("rlbus up needs fixed broker.port and broker.pub_port (not 0)")
+        # Children find the broker on this machine, whatever address it binds.
+        cfg = cfg.model_copy(deep=True)
+        cfg.broker.address = f"tcp://127.0.0.1:{cfg.broker.port}"
+        cfg.broker.pub_address = f"tcp://127.0.0.1:{cfg.broker.pub_port}"
+        self.cfg = cfg
+        self.run_dir = Path(cfg.run.dir)
+        self.logs = self.run_dir / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.snapshot = self.run_dir / "config.yaml"
+        self.snapshot.write_text(dump_config(cfg))
+        launch = cfg.launch
+        self.children = [Child("broker", "broker", parse_cpus(launch.broker_cpus)),
+                         Child("trainer", "trainer", parse_cpus(launch.trainer_cpus))]
+        for i in range(launch.explorers):
+            cpus = parse_cpus(launch.explorer_cpus[i]) if i < len(launch.explorer_cpus) else set()
+            self.children.append(Child(f"explorer-{i}", "explorer", cpus, ["--name", f"explorer-{i}"]))
+        self._stopping = False
+        self.exit_code = 0
+
+    # ---- children ---------------------------------------------------------
+
+    def _start(self, child: Child) -> None:
+        args = [sys.executable, "-m", "common.cli", child.command, str(self.snapshot), *child.extra,
+                "--set", "logging.format=json", "--set", f"logging.file={self.logs / (child.name + '.jsonl')}"]
+        out = open(self.logs / f"{child.name}.out", "ab")
+        cpus = child.cpus
+
+        def pin() -> None:
+            if cpus:
+                os.sched_setaffinity(0, cpus)
+
+        child.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                      start_new_session=True, preexec_fn=pin)
+        out.close()
+        log.info("component_started", component=child.name, pid=child.proc.pid, cpus=sorted(cpus) or None)
+
+    def _signal(self, child: Child, sig: int) -> None:
+        if child.proc is not None and child.proc.poll() is None:
+            try:
+                os.killpg(child.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def _wait_broker(self, timeout: float = 60.0) -> None:
+        endpoints = self.cfg.buffer_dir() / "endpoints.json"
+        broker = self.children[0]
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if endpoints.exists() and json.loads(endpoints.read_text()).get("pid") == broker.proc.pid:
+                return
+            if broker.proc.poll() is not None:
+                raise RuntimeError(f"the broker exited with {broker.proc.returncode}; see {self.logs}/broker.out")
+            time.sleep(0.1)
+        raise TimeoutError(f"the broker did not start within {timeout} s; see {self.logs}/broker.out")
+
+    def stop(self, *_: object) -> None:
+        self._stopping = True
+
+    def _shutdown(self) -> None:
+        workers = self.children[1:]
+        for child in reversed(workers):
+            self._signal(child, signal.SIGTERM)
+        self._wait_all(workers, GRACE_S)
+        self._signal(self.children[0], signal.SIGTERM)
+        self._wait_all(self.children[:1], GRACE_S)
+        for child in self.children:
+            self._signal(child, signal.SIGKILL)  # the group: engine processes included
+            if child.proc is not None:
+                child.proc.wait()
+                _wait_group_gone(child.proc.pid, GRACE_S)
+        log.info("run_stopped", run_dir=str(self.run_dir), exit_code=self.exit_code)
+
+    @staticmethod
+    def _wait_all(children: list[Child], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for child in children:
+            if child.proc is not None:
+                try:
+                    child.proc.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+
+    # ---- progress ---------------------------------------------------------
+
+    def _last_event(self, name: str, event: str) -> dict | None:
+        path = self.logs / f"{name}.jsonl"
+        if not path.exists():
+            return None
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 65536))
+            lines = f.read().decode("utf-8", "replace").splitlines()
+        for line in reversed(lines):
+            if f'"{event}"' in line:
+                try:
+                    return json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+        return None
+
+    def progress(self) -> dict:
+        step = self._last_event("trainer", "train_step") or {}
+        versions = {}
+        for child in self.children[2:]:
+            batch = self._last_event(child.name, "explorer_batch") or {}
+            versions[child.name] = batch.get("policy_version")
+        broker = self._last_event("broker", "batch_committed") or {}
+        alive = sum(1 for c in self.children[2:] if c.proc is not None and c.proc.poll() is None)
+        return {"step": step.get("step"), "reward_mean": step.get("reward_mean"), "explorer_versions": versions,
+                "buffer_depth": broker.get("depth"), "explorers_running": alive}
+
+    # ---- the run ----------------------------------------------------------
+
+    def run(self) -> int:
+        signal.signal(signal.SIGINT, self.stop)
+        signal.signal(signal.SIGTERM, self.stop)
+        log.info("run_starting", run_dir=str(self.run_dir), components=[c.name for c in self.children])
+        try:
+            self._start(self.children[0])
+            self._wait_broker()
+            for child in self.children[1:]:
+                self._start(child)
+            last_status = 0.0
+            while not self._stopping:
+                time.sleep(0.2)
+                if self._check_children():
+                    break
+                if time.monotonic() - last_status >= self.cfg.launch.status_interval_s:
+                    last_status = time.monotonic()
+                    log.info("run_progress", **self.progress())
+        finally:
+            self._shutdown()
+        return self.exit_code
+
+    def _check_children(self) -> bool:
+        """Handle exits; True when the run is over."""
+        trainer = self.children[1]
+        if trainer.proc.poll() == 0:
+            log.info("trainer_finished", **self.progress())
+            return True
+        for child in self.children:
+            code = child.proc.poll()
+            if code is None or (child is not trainer and code == 0 and child.command == "explorer"):
+                continue
+            log.error("component_failed", component=child.name, exit_code=code,
+                      log=str(self.logs / f"{child.name}.out"))
+            if self.cfg.launch.on_crash == "restart" and child.restarts < self.cfg.launch.max_restarts:
+                child.restarts += 1
+                self._signal(child, signal.SIGKILL)
+                self._start(child)
+                continue
+            self.exit_code = 1
+            return True
+        return False
+
+
+def _wait_group_gone(pgid: int, timeout: float) -> None:
+    """Until no process of the group is left (killed members take a moment to go), or the timeout."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    log.warning("process_group_lingers", pgid=pgid)
+
+
+def run(cfg: RunConfig) -> int:
+    return Launcher(cfg).run()

@@ -1,0 +1,45 @@
+"""`rlbus up`: the whole loop on one machine, on the tiny model, to the end and cleanly stopped."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from tests.conftest import REPO, free_port
+
+
+def test_up_runs_broker_trainer_and_explorer_to_the_end(tiny_model, tmp_path):
+    run_dir = tmp_path / "run"
+    sets = [f"run.dir={run_dir}", f"model.path={tiny_model}", f"broker.port={free_port()}",
+            f"broker.pub_port={free_port()}", "broker.heartbeat_interval_s=0.5", "data.repeat=4",
+            "data.batch_tasks=2", "sync.sync_style=lockstep", "sync.sync_interval=1", "sync.sync_offset=1",
+            "trainer.total_steps=3", "trainer.checkpoint_every=2", "trainer.micro_batch=4", "trainer.lr=1e-4",
+            "trainer.fetch_wait_s=1", "explorer.max_tokens=8", "explorer.dtype=float32",
+            "explorer.memory_fraction=0.1", "launch.explorers=1", "launch.status_interval_s=1",
+            "logging.format=json", "algorithm.skip_zero_spread=false"]
+    args = [sys.executable, "-m", "common.cli", "up"] + [x for s in sets for x in ("--set", s)]
+    done = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=600)
+    events = [json.loads(line) for line in done.stderr.splitlines() if line.startswith("{")]
+    assert done.returncode == 0, done.stderr[-3000:]
+    names = [e["event"] for e in events]
+    assert "trainer_finished" in names and names[-1] == "run_stopped"
+    pids = [e["pid"] for e in events if e["event"] == "component_started"]
+    assert len(pids) == 3
+    for pid in pids:  # every component, and its process group, is gone
+        try:
+            os.killpg(pid, 0)
+            raise AssertionError(f"process group {pid} still exists")
+        except ProcessLookupError:
+            pass
+    assert (run_dir / "config.yaml").exists()
+    for name in ("broker", "trainer", "explorer-0"):
+        assert (run_dir / "logs" / f"{name}.jsonl").stat().st_size > 0
+    steps = [json.loads(line) for line in (run_dir / "logs" / "trainer.jsonl").read_text().splitlines()
+             if '"train_step"' in line]
+    assert [s["step"] for s in steps] == [0, 1, 2]
+    assert all(max(map(int, s["staleness"])) <= 1 for s in steps if s["staleness"]), "O + I - 1 = 1"
+    assert (run_dir / "weights" / "v3" / "model.safetensors").exists()
+    assert (run_dir / "checkpoints").exists()
+    assert any(e["event"] == "run_progress" for e in events)
