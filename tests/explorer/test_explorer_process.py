@@ -55,3 +55,38 @@ def test_explorer_killed_mid_batch_has_its_leases_reissued(broker_factory, clien
         except ProcessLookupError:
             pass
         victim.wait(10)
+
+
+def test_sigterm_finishes_the_batch_puts_it_and_says_bye(broker_factory, clients, tiny_model, tmp_path):
+    b = broker_factory("sync.sync_style=async", "sync.max_staleness=100", "data.repeat=4", "data.batch_tasks=2")
+    tool = clients(b, "tool", "watch")
+    args = [sys.executable, "-m", "common.cli", "explorer", "--broker", b.address, "--name", "polite"]
+    for s in (f"broker.pub_port={b.pub_port}", "broker.heartbeat_interval_s=0.2", f"model.path={tiny_model}",
+              "explorer.dtype=float32", "explorer.memory_fraction=0.1", "explorer.max_tokens=200",
+              "explorer.tasks_per_lease=2", "logging.format=json", f"logging.file={tmp_path}/polite.jsonl"):
+        args += ["--set", s]
+    proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        held = 0
+        while time.monotonic() < deadline and proc.poll() is None and not held:
+            peers = {p["name"]: p for p in tool.request(P.STATUS).header["peers"]}
+            held = peers.get("polite", {}).get("leases", 0)
+            time.sleep(0.05)
+        assert held, "the explorer never held a lease"
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(120) == 0
+        status = tool.request(P.STATUS).header
+        assert "polite" not in {p["name"] for p in status["peers"]}, "it said BYE"
+        assert status["tasks"]["leased"] == 0
+        assert status["buffer"]["stored"] % 4 == 0 and status["buffer"]["stored"] >= 4 * held, \
+            "the batch in hand was finished and PUT"
+        events = [e for e in b.log_events() if e["event"] == "peer_left" and e["peer"] == "polite"]
+        assert events and events[0]["reason"] == "bye"
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(10)
