@@ -17,25 +17,16 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.harness import REPO, broker_process, free_port  # noqa: E402
 
 GROUP = 8  # samples per group (repeat)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_batch(producer: int, first_group: int, groups: int, payload: bytes) -> list[tuple[dict, bytes]]:
@@ -159,15 +150,7 @@ def bench_broker(args, data_dir: Path) -> tuple[float, list[float]]:
     sets = [f"broker.port={port}", f"broker.pub_port={pub}", f"buffer.dir={data_dir}", f"run.dir={data_dir}",
             f"buffer.fsync={args.fsync}", "buffer.capacity=1000000", "sync.sync_style=async",
             "sync.max_staleness=1000000", "logging.level=warning", "logging.format=json"]
-    profile = ["-m", "cProfile", "-o", args.profile] if args.profile else []
-    cmd = [sys.executable, *profile, "-m", "common.cli", "broker"] + [x for s in sets for x in ("--set", s)]
-    broker = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL)
-    try:
-        endpoints = data_dir / "endpoints.json"
-        while not endpoints.exists():
-            if broker.poll() is not None:
-                raise RuntimeError("broker failed to start")
-            time.sleep(0.05)
+    with broker_process(sets, data_dir, args.profile):
         address = f"tcp://127.0.0.1:{port}"
         trainer = BrokerClient(address, "trainer", "bench-trainer")
         trainer.start(30)
@@ -184,9 +167,6 @@ def bench_broker(args, data_dir: Path) -> tuple[float, list[float]]:
         elapsed, latencies = run_producers("broker", address, args, consume)
         trainer.close()
         return args.per_producer * args.producers / elapsed, latencies
-    finally:
-        os.kill(broker.pid, signal.SIGTERM)
-        broker.wait(30)
 
 
 def main() -> None:

@@ -17,24 +17,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from benchmarks.harness import broker_process, free_port  # noqa: E402
 
 
 def read_files(directory: Path) -> float:
@@ -67,11 +58,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="rlbus-bench-") as tmp:
         sets = [f"broker.port={port}", f"broker.pub_port={pub}", f"buffer.dir={tmp}", f"run.dir={tmp}",
                 "sync.sync_style=async", "sync.max_staleness=1000", "logging.level=warning"]
-        broker = subprocess.Popen([sys.executable, "-m", "common.cli", "broker"] + [x for s in sets for x in ("--set", s)],
-                                  cwd=REPO, stdout=subprocess.DEVNULL)
-        try:
-            while not (Path(tmp) / "endpoints.json").exists():
-                time.sleep(0.05)
+        with broker_process(sets, Path(tmp)):
             engine = Engine(str(model), seed=0)
             engine.warm_up()
             gen_time = 0.0
@@ -116,9 +103,6 @@ def main() -> None:
             file_read_s = min(read_files(model) for _ in range(3))
             digest_s = min((lambda t: (weights_digest(model), time.perf_counter() - t)[1])(time.perf_counter())
                            for _ in range(2))
-        finally:
-            os.kill(broker.pid, signal.SIGTERM)
-            broker.wait(30)
     share = gen_time / wall
     print(f"explorer wall {wall:.2f} s over {args.batches} batches ({published[0]} weight loads), "
           f"{gen_time:.2f} s generating: share {share:.3f}")

@@ -17,23 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from benchmarks.harness import broker_process, free_port  # noqa: E402
 
 
 def main() -> None:
@@ -57,11 +48,7 @@ def main() -> None:
         sets = [f"broker.port={port}", f"broker.pub_port={pub}", f"buffer.dir={tmp}/buffer", f"run.dir={tmp}",
                 "sync.sync_style=async", "sync.max_staleness=1000", "data.repeat=8", "data.batch_tasks=4",
                 "logging.level=warning"]
-        broker = subprocess.Popen([sys.executable, "-m", "common.cli", "broker"] + [x for s in sets for x in ("--set", s)],
-                                  cwd=REPO, stdout=subprocess.DEVNULL)
-        try:
-            while not (Path(tmp) / "buffer" / "endpoints.json").exists():
-                time.sleep(0.05)
+        with broker_process(sets, Path(tmp) / "buffer"):
             feeder = BrokerClient(f"tcp://127.0.0.1:{port}", "explorer", "feeder")
             feeder.start(30)
             for g in range(4 * (args.steps + 1)):
@@ -82,9 +69,6 @@ def main() -> None:
             trainer = Trainer(cfg, model)
             with capture_logs() as logs:
                 trainer.run(max_steps=args.steps + 1)
-        finally:
-            os.kill(broker.pid, signal.SIGTERM)
-            broker.wait(30)
     steps = [e for e in logs if e["event"] == "train_step"][1:]  # the first step pays one-time warm-up
     step_s = sum(e["step_s"] for e in steps)
     compute_s = sum(e["compute_s"] for e in steps)

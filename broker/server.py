@@ -16,13 +16,14 @@ import json
 import os
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import structlog
 import zmq
 
+from broker.peers import Peer, Peers
 from broker.store import Group, Store
 from broker.tasks import TaskQueue
 from broker.writer import Writer
@@ -34,18 +35,6 @@ from common.tasksets import make_taskset
 log = structlog.get_logger()
 
 PUT_DRAIN = 256  # messages taken off the socket before one group commit
-
-
-@dataclass(slots=True)
-class Peer:
-    name: str
-    role: str
-    identity: bytes
-    last_seen: float
-    policy_version: int = 0
-    info: dict[str, Any] = field(default_factory=dict)
-    last_sent: float = 0.0
-    starved: bool = False
 
 
 @dataclass(slots=True)
@@ -69,8 +58,7 @@ class Broker:
             "version": 0, "method": "checkpoint", "location": "", "digest": "", "step": 0, "published_at": 0.0}
         self.trainer_step = int(self.store.get_meta("trainer_step", 0))
         self.tasks = TaskQueue(self.store, make_taskset(cfg.data), cfg.data.batch_tasks, bcfg.lease_timeout_s)
-        self.peers: dict[bytes, Peer] = {}
-        self.by_name: dict[str, Peer] = {}
+        self.peers = Peers()
         self.held: list[HeldFetch] = []
         self.blocked: list[tuple[bytes, P.Message]] = []
         self.writer = Writer(self.store, self.ctx)
@@ -210,20 +198,14 @@ class Broker:
     def _hello(self, identity: bytes, msg: P.Message) -> None:
         h = msg.header
         now = time.time()
-        old = self.by_name.get(h["name"])
         if h["role"] == "trainer":
-            other = next((p for p in self.by_name.values() if p.role == "trainer" and p.name != h["name"]), None)
+            other = self.peers.other_trainer(h["name"])
             if other is not None:
                 return self._reply(identity, msg, P.ERROR, {
                     "code": "conflict", "message": f"trainer {other.name!r} is already connected; one trainer per run"})
-        if old is not None:
-            self.peers.pop(old.identity, None)
-        peer = Peer(h["name"], h["role"], identity, now, h.get("policy_version", 0),
-                    {"pid": h.get("pid"), "host": h.get("host"), "capabilities": h.get("capabilities", {})})
-        self.peers[identity] = peer
-        self.by_name[peer.name] = peer
+        peer, reconnect = self.peers.join(identity, h, now)
         log.info("peer_joined", peer=peer.name, role=peer.role, policy_version=peer.policy_version,
-                 reconnect=old is not None, peers=len(self.peers))
+                 reconnect=reconnect, peers=len(self.peers))
         s = self.cfg.sync
         self._reply(identity, msg, P.WELCOME, {
             "run_id": self.run_id, "peer": peer.name, "heartbeat_interval_s": self.hb,
@@ -241,9 +223,7 @@ class Broker:
         self._drop(peer, "bye")
 
     def _drop(self, peer: Peer, reason: str) -> None:
-        self.peers.pop(peer.identity, None)
-        if self.by_name.get(peer.name) is peer:
-            del self.by_name[peer.name]
+        self.peers.remove(peer)
         released = self.tasks.release_holder(peer.name)
         log.info("peer_left", peer=peer.name, role=peer.role, reason=reason, leases_released=len(released),
                  peers=len(self.peers))
@@ -433,7 +413,7 @@ class Broker:
         credit = self._credit()
         if credit <= 0:
             return
-        for peer in self.peers.values():
+        for peer in self.peers:
             if peer.starved:
                 peer.starved = False
                 self._send(peer.identity, P.encode(P.CREDIT, {"credit": credit}))
@@ -468,7 +448,7 @@ class Broker:
             "run_id": self.run_id, "weights": self.weights, "trainer_step": self.trainer_step,
             "peers": [{"name": p.name, "role": p.role, "policy_version": p.policy_version,
                        "last_seen_s": round(now - p.last_seen, 3), "leases": self.tasks.held_by(p.name)}
-                      for p in self.peers.values()],
+                      for p in self.peers],
             "buffer": {"depth": self.store.depth, "capacity": self.cfg.buffer.capacity,
                        "ready_groups": len(self.store.ready), "stored": c["stored"], "committed": c["committed"],
                        "expired": c["expired"], "skipped": c["skipped"]},
@@ -487,10 +467,10 @@ class Broker:
         if now - self._last_tick < self.hb / 2:
             return
         self._last_tick = now
-        for peer in list(self.peers.values()):
-            if now - peer.last_seen > self.expiry:
-                self._drop(peer, "expired")
-            elif now - peer.last_sent >= self.hb:
+        for peer in self.peers.silent(now, self.expiry):
+            self._drop(peer, "expired")
+        for peer in self.peers:
+            if now - peer.last_sent >= self.hb:
                 self._send(peer.identity, P.encode(P.HEARTBEAT, {"credit": self._credit()}))
         expired = self.tasks.expire(now)
         if expired:

@@ -1,0 +1,67 @@
+"""The broker's peer registry: who is connected, in which role, and when each was last heard.
+
+Peers are known by routing identity (what the ROUTER sees) and by name (what
+they say in HELLO). A HELLO under a known name replaces the old identity, so
+a peer that reconnects keeps its name and with it its task leases. Any
+message refreshes `last_seen`; peers silent for longer than the liveness
+window are handed back by `silent` for the broker to drop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+
+@dataclass(slots=True)
+class Peer:
+    name: str
+    role: str
+    identity: bytes
+    last_seen: float
+    policy_version: int = 0
+    info: dict[str, Any] = field(default_factory=dict)
+    last_sent: float = 0.0
+    starved: bool = False  # given zero credit: owed a CREDIT when room frees up
+
+
+class Peers:
+    def __init__(self) -> None:
+        self._by_identity: dict[bytes, Peer] = {}
+        self._by_name: dict[str, Peer] = {}
+
+    def get(self, identity: bytes) -> Peer | None:
+        return self._by_identity.get(identity)
+
+    def __contains__(self, identity: bytes) -> bool:
+        return identity in self._by_identity
+
+    def __len__(self) -> int:
+        return len(self._by_identity)
+
+    def __iter__(self) -> Iterator[Peer]:
+        return iter(list(self._by_identity.values()))
+
+    def other_trainer(self, name: str) -> Peer | None:
+        """A connected trainer under another name (a run has one trainer)."""
+        return next((p for p in self._by_name.values() if p.role == "trainer" and p.name != name), None)
+
+    def join(self, identity: bytes, hello: dict[str, Any], now: float) -> tuple[Peer, bool]:
+        """Register the sender of a HELLO; returns the peer and whether its name was known (a reconnect)."""
+        old = self._by_name.get(hello["name"])
+        if old is not None:
+            self._by_identity.pop(old.identity, None)
+        peer = Peer(hello["name"], hello["role"], identity, now, hello.get("policy_version", 0),
+                    {"pid": hello.get("pid"), "host": hello.get("host"),
+                     "capabilities": hello.get("capabilities", {})})
+        self._by_identity[identity] = peer
+        self._by_name[peer.name] = peer
+        return peer, old is not None
+
+    def remove(self, peer: Peer) -> None:
+        self._by_identity.pop(peer.identity, None)
+        if self._by_name.get(peer.name) is peer:
+            del self._by_name[peer.name]
+
+    def silent(self, now: float, expiry: float) -> list[Peer]:
+        return [p for p in self._by_identity.values() if now - p.last_seen > expiry]
