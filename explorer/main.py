@@ -32,7 +32,7 @@ from common.logging import bind
 from explorer.engine import DigestMismatch
 from explorer.envs import make_env
 from explorer.rollout import multi_turn, single_turn
-from reward.base import resolve
+from reward.base import from_config
 
 log = structlog.get_logger()
 
@@ -42,7 +42,7 @@ class Explorer:
         self.cfg = cfg
         self.engine = engine
         self.name = name or cfg.explorer.name or f"explorer-{socket.gethostname()}-{id(self) % 10000}"
-        self.reward_fn = resolve(cfg.reward.fn)
+        self.reward_fn = from_config(cfg.reward)
         self.stop_event = threading.Event()
         self.batches = 0
         self.client: BrokerClient | None = None

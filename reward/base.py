@@ -102,5 +102,39 @@ def _by_kind(task: Mapping[str, Any], response: Response) -> RewardResult | floa
     return REGISTRY[kind](task, response)
 
 
+def combine(terms: Sequence[tuple[str, float, Mapping[str, Any]]]) -> RewardFn:
+    """A weighted sum of rewards, each with its own parameters; details keep every term's result."""
+    import functools
+
+    parts = [(name, weight, functools.partial(resolve(name), **dict(params)) if params else resolve(name))
+             for name, weight, params in terms]
+
+    def combined(task: Mapping[str, Any], response: Response) -> RewardResult:
+        total, details, reasons = 0.0, {}, []
+        for name, weight, fn in parts:
+            r = evaluate(fn, task, response, name=name)
+            total += weight * r.score
+            details[name] = {"score": r.score, "weight": weight, **({"reason": r.reason} if r.reason else {})}
+            if r.reason:
+                reasons.append(f"{name}: {r.reason}")
+        return RewardResult(total, details, "; ".join(reasons) if total == 0 else "")
+
+    return combined
+
+
+def from_config(cfg) -> RewardFn:
+    """The reward a `RewardConfig` describes, wrapped so failures score `failure_score`."""
+    from reward import code
+    from reward.sandbox import Limits
+
+    code.configure(Limits(cfg.sandbox_cpu_s, cfg.sandbox_memory_mb, cfg.sandbox_file_mb, cfg.sandbox_processes,
+                          wall_s=cfg.sandbox_wall_s), python=cfg.sandbox_python)
+    if cfg.terms:
+        fn, name = combine([(t.fn, t.weight, t.params) for t in cfg.terms]), "combined"
+    else:
+        fn, name = resolve(cfg.fn), cfg.fn
+    return lambda task, response: evaluate(fn, task, response, cfg.failure_score, name)
+
+
 def _load_builtins() -> None:
-    from reward import arith, countdown, guess  # noqa: F401  (they register themselves)
+    from reward import arith, code, countdown, guess, math, text  # noqa: F401  (they register themselves)

@@ -10,7 +10,11 @@ from common.tasksets import ArithTaskset, CountdownTaskset, GuessTaskset
 from reward.base import REGISTRY, Response, RewardResult, _load_builtins, evaluate, resolve
 
 _load_builtins()
-TASKS = {"arith": ArithTaskset(0).task(0), "countdown": CountdownTaskset(0).task(0), "guess": GuessTaskset(0).task(0)}
+TASKS = {"arith": ArithTaskset(0).task(0), "countdown": CountdownTaskset(0).task(0), "guess": GuessTaskset(0).task(0),
+         "math": {"answer": "\\frac{1}{2}"}, "exact": {"answer": "Paris"}, "format": {"answer": ""},
+         "length_penalty": {"answer": ""}, "code": {"tests": ["assert f(2) == 4"]}}
+RIGHT = {"math": "so the answer is \\boxed{0.5}", "format": "<think>a</think> <answer>b</answer>",
+         "length_penalty": "short", "code": "```python\ndef f(x):\n    return 2 * x\n```", "countdown": None}
 MALFORMED = ["", " ", "\x00\xff", "9" * 5000, "((((((", "<|im_end|>", "NaN", "1/0", "🙂" * 100]
 
 
@@ -18,9 +22,10 @@ MALFORMED = ["", " ", "\x00\xff", "9" * 5000, "((((((", "<|im_end|>", "NaN", "1/
 def test_reward_contract(name):
     fn = REGISTRY[name]
     task = TASKS[name]
-    right = Response(task["answer"]) if name != "countdown" else None
+    right = RIGHT.get(name, task.get("answer"))
     if right is not None:
-        assert evaluate(fn, task, right).score == 1.0
+        expected = 0.0 if name == "length_penalty" else 1.0
+        assert evaluate(fn, task, Response(right)).score == expected
     for text in MALFORMED:
         result = evaluate(fn, task, Response(text, (1, 2)))
         assert isinstance(result, RewardResult) and math.isfinite(result.score)
@@ -37,6 +42,23 @@ def test_exceptions_and_non_finite_scores_become_the_failure_score():
     r = evaluate(lambda t, resp: float("nan"), {"task_id": "x"}, Response("a"))
     assert r.score == 0.0 and "finite" in r.reason
     assert evaluate(lambda t, resp: 0.5, {}, Response("a")).score == 0.5
+
+
+def test_weighted_combination_and_parameters():
+    from reward.base import combine
+
+    fn = combine([("math", 1.0, {}), ("format", 0.5, {"pattern": r"\\boxed\{.*\}"})])
+    r = fn({"answer": "3"}, Response("\\boxed{3}"))
+    assert r.score == 1.5 and r.details["format"]["score"] == 1.0
+    r = fn({"answer": "3"}, Response("it is 4"))
+    assert r.score == 0.0 and "math:" in r.reason and "format:" in r.reason
+
+
+def test_math_extraction_prefers_boxed_then_last_number():
+    fn = REGISTRY["math"]
+    assert fn({"answer": "42"}, Response("7 * 6 = \\boxed{42}, not 41")).details["how"] == "boxed"
+    assert fn({"answer": "42"}, Response("first 3, then 42")).score == 1.0
+    assert fn({"answer": "42"}, Response("first 42, then 3")).score == 0.0
 
 
 def test_rewards_by_dotted_path_and_clear_errors():
