@@ -137,4 +137,4 @@ def from_config(cfg) -> RewardFn:
 
 
 def _load_builtins() -> None:
-    from reward import arith, code, countdown, guess, math, text  # noqa: F401  (they register themselves)
+    from reward import arith, code, countdown, guess, math, rm, text  # noqa: F401  (they register themselves)

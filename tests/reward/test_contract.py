@@ -12,9 +12,9 @@ from reward.base import REGISTRY, Response, RewardResult, _load_builtins, evalua
 _load_builtins()
 TASKS = {"arith": ArithTaskset(0).task(0), "countdown": CountdownTaskset(0).task(0), "guess": GuessTaskset(0).task(0),
          "math": {"answer": "\\frac{1}{2}"}, "exact": {"answer": "Paris"}, "format": {"answer": ""},
-         "length_penalty": {"answer": ""}, "code": {"tests": ["assert f(2) == 4"]}}
+         "length_penalty": {"answer": ""}, "code": {"tests": ["assert f(2) == 4"]}, "rm": {"prompt": "x"}}
 RIGHT = {"math": "so the answer is \\boxed{0.5}", "format": "<think>a</think> <answer>b</answer>",
-         "length_penalty": "short", "code": "```python\ndef f(x):\n    return 2 * x\n```", "countdown": None}
+         "length_penalty": "short", "code": "```python\ndef f(x):\n    return 2 * x\n```", "countdown": None, "rm": None}
 MALFORMED = ["", " ", "\x00\xff", "9" * 5000, "((((((", "<|im_end|>", "NaN", "1/0", "🙂" * 100]
 
 

@@ -1,0 +1,43 @@
+"""The reward-model scorer batches and matches a plain forward pass, on a tiny random model built here."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def tiny_rm(tiny_model, tmp_path_factory):
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, num_labels=1, pad_token_id=tok.pad_token_id)
+    path = tmp_path_factory.mktemp("rm")
+    LlamaForSequenceClassification(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def test_batched_scores_equal_one_by_one_forward_passes(tiny_rm):
+    from reward.rm import RewardModel
+
+    rm = RewardModel(tiny_rm, batch_size=3)
+    prompts = ["What is 2 + 2?"] * 5
+    responses = ["4", "It is four.", "5", "", "A much longer answer that pads the others in its batch"]
+    batched = rm.score(prompts, responses)
+    single = [RewardModel.score(rm, [p], [r])[0] for p, r in zip(prompts, responses)]
+    assert len(batched) == 5 and len(set(round(x, 4) for x in batched)) > 1
+    assert batched == pytest.approx(single, abs=1e-4)
+
+
+def test_rm_as_a_reward_plugin(tiny_rm):
+    from reward.base import Response, evaluate, resolve
+
+    r = evaluate(resolve("rm"), {"prompt": "hi"}, Response("hello"))
+    assert r.score == 0.0 and "params.path" in r.reason
+    import functools
+
+    r = evaluate(functools.partial(resolve("rm"), path=tiny_rm), {"prompt": "hi"}, Response("hello"))
+    assert r.details["model"] == tiny_rm and isinstance(r.score, float)
