@@ -24,6 +24,7 @@ import structlog
 import zmq
 
 from broker.peers import Peer, Peers
+from broker.rewards import RewardRouter
 from broker.store import Group, Store
 from broker.tasks import TaskQueue
 from broker.writer import Writer
@@ -62,6 +63,7 @@ class Broker:
         self.held: list[HeldFetch] = []
         self.blocked: list[tuple[bytes, P.Message]] = []
         self.writer = Writer(self.store, self.ctx)
+        self.rewards = RewardRouter(self.peers, self._send, cfg.reward.eval_timeout_s, cfg.reward.eval_attempts)
         self._auth = None
         self.router = self.ctx.socket(zmq.ROUTER)
         self.pub = self.ctx.socket(zmq.PUB)
@@ -184,7 +186,12 @@ class Broker:
             return self._reply(identity, msg, P.ERROR, {
                 "code": "not_registered", "message": "say HELLO first (the broker may have restarted)"})
         handler = {P.HEARTBEAT: self._heartbeat, P.BYE: self._bye, P.LEASE: self._lease, P.FETCH: self._fetch,
-                   P.COMMIT: self._commit, P.PUBLISH: self._publish, P.STATUS: self._status}[msg.command]
+                   P.COMMIT: self._commit, P.PUBLISH: self._publish, P.STATUS: self._status,
+                   P.EVAL: lambda p, m: self.rewards.submit(p.identity, m),
+                   P.RESULT: self.rewards.result}[msg.command]
+        if msg.command == P.RESULT and peer.role != "reward":
+            return self._reply(identity, msg, P.ERROR, {
+                "code": "bad_role", "message": f"RESULT is for reward workers; this peer is a {peer.role}"})
         if msg.command in (P.FETCH, P.COMMIT, P.PUBLISH) and peer.role != "trainer":
             return self._reply(identity, msg, P.ERROR, {
                 "code": "bad_role", "message": f"{msg.command} is for the trainer; this peer is a {peer.role}"})
@@ -224,6 +231,9 @@ class Broker:
 
     def _drop(self, peer: Peer, reason: str) -> None:
         self.peers.remove(peer)
+        if peer.role == "reward":
+            self.rewards.worker_gone(peer)
+        self.rewards.client_gone(peer)
         released = self.tasks.release_holder(peer.name)
         log.info("peer_left", peer=peer.name, role=peer.role, reason=reason, leases_released=len(released),
                  peers=len(self.peers))
@@ -472,6 +482,7 @@ class Broker:
         for peer in self.peers:
             if now - peer.last_sent >= self.hb:
                 self._send(peer.identity, P.encode(P.HEARTBEAT, {"credit": self._credit()}))
+        self.rewards.tick(now)
         expired = self.tasks.expire(now)
         if expired:
             log.info("leases_expired", n=len(expired), seqs=[lz.seq for lz in expired][:16])

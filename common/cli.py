@@ -102,6 +102,23 @@ def trainer(config: ConfigArg = None, set: SetOpt = None,
 
 
 @app.command()
+def reward(config: ConfigArg = None, set: SetOpt = None,
+           broker: Annotated[Optional[str], typer.Option(help="Broker address, e.g. tcp://HOST:5555.")] = None,
+           name: Annotated[Optional[str], typer.Option(help="Peer name (default: reward-HOST-N).")] = None,
+           service: Annotated[Optional[list[str]], typer.Option(help="A service to offer (repeat; default "
+                                                                     "reward.services).")] = None) -> None:
+    """Run a reward worker: serve reward services (math, code, rm, plugins) to explorers through the broker."""
+    sets = list(set or [])
+    if broker:
+        sets.append(f"broker.address={broker}")
+    cfg = _load(config, sets)
+    _logging(cfg, "reward", peer=name)
+    from reward.worker import run
+
+    run(cfg, list(service or cfg.reward.services), name)
+
+
+@app.command()
 def status(config: ConfigArg = None, set: SetOpt = None,
            broker: Annotated[Optional[str], typer.Option(help="Broker address, e.g. tcp://HOST:5555.")] = None,
            timeout: Annotated[float, typer.Option(help="Seconds to wait for the broker.")] = 5.0) -> None:

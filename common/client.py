@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import queue
 import random
 import socket
 import threading
@@ -92,6 +93,8 @@ class BrokerClient:
         self.reconnects = 0
         self._ids = itertools.count(1)
         self._outbox: deque[_Request] = deque()
+        # Messages the broker sends on its own (EVAL for reward workers), for the peer's code to take.
+        self.inbox: queue.Queue[P.Message] = queue.Queue()
         self._lock = threading.Lock()
         self._welcomed = threading.Event()
         self._bye_sent = threading.Event()
@@ -130,6 +133,10 @@ class BrokerClient:
         except TimeoutError:
             future.cancel()
             raise TimeoutError(f"{command}: no reply from the broker within {timeout} s") from None
+
+    def send(self, command: str, header: dict[str, Any]) -> None:
+        """Send a message that gets no reply (a reward worker's RESULT); sent once connected."""
+        self.submit(command, dict(header, _oneway=True))
 
     def put(self, items: list[tuple[dict[str, Any], bytes]], timeout: float | None = None) -> dict[str, list[str]]:
         """Store trajectories; returns once all are durable at the broker ({stored, duplicate})."""
@@ -236,6 +243,11 @@ class BrokerClient:
                     self._send(P.BYE, {})
                 self._bye_sent.set()
                 continue
+            if request.header.pop("_oneway", False):
+                if self._welcome_ok:
+                    self._send(request.command, request.header, request.payloads)
+                request.future.set_result(None)
+                continue
             request.req = next(self._ids)
             request.header["req"] = request.req
             self._held.append(request)
@@ -272,6 +284,9 @@ class BrokerClient:
         h = msg.header
         if msg.command == P.WELCOME:
             return self._on_welcome(h)
+        if msg.command in P.UNSOLICITED:
+            self.inbox.put(msg)
+            return None
         if msg.command in (P.HEARTBEAT, P.CREDIT):
             if "credit" in h:
                 self.credit = h["credit"] - sum(r.size for r in self._pending.values())

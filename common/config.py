@@ -252,6 +252,10 @@ class RewardConfig(Section):
     """Score given when a reward raises or returns NaN or infinity (logged with the reason)."""
     service: str = ""
     """Score through reward workers offering this service, via the broker, instead of in-process."""
+    services: list[str] = ["math", "code"]
+    """`rlbus reward`: services this worker offers (registered rewards, dotted paths, or rm)."""
+    rm_path: str = ""
+    """`rlbus reward`: the sequence-classification model the rm service scores with."""
     eval_timeout_s: float = Field(60.0, gt=0)
     """How long one evaluation may take at a reward worker before it is sent to another."""
     eval_attempts: int = Field(3, ge=1)

@@ -27,6 +27,8 @@ FETCH = "FETCH"
 COMMIT = "COMMIT"
 PUBLISH = "PUBLISH"
 STATUS = "STATUS"
+EVAL = "EVAL"
+RESULT = "RESULT"
 # Replies and broker-initiated messages.
 WELCOME = "WELCOME"
 TASKS = "TASKS"
@@ -39,8 +41,10 @@ EMPTY = "EMPTY"
 OK = "OK"
 ERROR = "ERROR"
 
-REQUESTS = frozenset({HELLO, HEARTBEAT, BYE, LEASE, PUT, FETCH, COMMIT, PUBLISH, STATUS})
-REPLIES = frozenset({WELCOME, TASKS, WAIT, DONE, ACK, CREDIT, BATCH, EMPTY, OK, ERROR, STATUS, HEARTBEAT})
+REQUESTS = frozenset({HELLO, HEARTBEAT, BYE, LEASE, PUT, FETCH, COMMIT, PUBLISH, STATUS, EVAL, RESULT})
+REPLIES = frozenset({WELCOME, TASKS, WAIT, DONE, ACK, CREDIT, BATCH, EMPTY, OK, ERROR, STATUS, HEARTBEAT, RESULT})
+# Messages the broker sends on its own to a peer (not replies): the client hands them to the peer's code.
+UNSOLICITED = frozenset({EVAL})
 ROLES = frozenset({"explorer", "trainer", "reward", "tool"})
 
 # Bus topics.
@@ -138,6 +142,8 @@ SCHEMAS: dict[str, dict[str, tuple[str, bool]]] = {
     PUBLISH: {"req": ("int", False), "version": ("int", True), "method": ("str", True), "location": ("str", True),
               "digest": ("str", True), "step": ("int", False)},
     STATUS: {"req": ("int", False)},
+    EVAL: {"req": ("int", False), "service": ("str", True), "items": ("list", True)},
+    RESULT: {"job": ("int", True), "results": ("list", True)},
 }
 
 TRAJECTORY_SCHEMA: dict[str, tuple[str, bool]] = {

@@ -55,6 +55,10 @@ class Explorer:
                                    capabilities={"sync_methods": ["checkpoint"]},
                                    curve_server_key=b.curve_server_key, curve_client_key=b.curve_client_key)
         welcome = self.client.start(timeout=60)
+        if self.cfg.reward.service:
+            from reward.worker import RemoteReward
+
+            self.reward_fn = RemoteReward(self.client, self.cfg.reward.service, self.cfg.reward.eval_timeout_s)
         # The broker's view of the run wins over this process's config: every
         # explorer of a run samples the same group size.
         self.repeat = welcome["sync"]["repeat"]

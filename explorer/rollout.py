@@ -19,10 +19,12 @@ from common.trajectory import encode_payload
 from reward.base import Response, evaluate
 
 
-@dataclass(slots=True)
-class GroupStats:
-    rewards: list[float] = field(default_factory=list)
-    tokens: int = 0
+def score_all(reward_fn: Callable, tasks: list[dict], responses: list[Response], name: str) -> list:
+    """Every response's reward: one batch for remote rewards (reward workers), else one call each."""
+    batch = getattr(reward_fn, "score_batch", None)
+    if batch is not None:
+        return batch(tasks, responses)
+    return [evaluate(reward_fn, t, r, name=name) for t, r in zip(tasks, responses)]
 
 
 def build_trajectory(lease: dict[str, Any], index: int, repeat: int, version: int, explorer: str,
@@ -56,10 +58,12 @@ def single_turn(engine, leases: list[dict[str, Any]], *, repeat: int, temperatur
     samples = engine.generate(prompts, n=repeat, temperature=temperature, top_p=top_p, max_tokens=max_tokens)
     generated = time.monotonic()
     groups = []
-    for lease, prompt_ids, group in zip(leases, prompts, samples):
-        scored_at = time.monotonic()
-        results = [evaluate(reward_fn, lease["task"], Response(s.text, s.token_ids), name=reward_name) for s in group]
-        reward_s = (time.monotonic() - scored_at) / max(1, len(group))
+    scored_at = time.monotonic()
+    all_results = score_all(reward_fn, [lease["task"] for lease in leases for _ in range(repeat)],
+                            [Response(s.text, s.token_ids) for group in samples for s in group], reward_name)
+    reward_s = (time.monotonic() - scored_at) / max(1, len(all_results))
+    for k, (lease, prompt_ids, group) in enumerate(zip(leases, prompts, samples)):
+        results = all_results[k * repeat:(k + 1) * repeat]
         timings = {"queue_s": round(started - leased_at, 4), "generate_s": round(generated - started, 4),
                    "reward_s": round(reward_s, 6)}
         groups.append([build_trajectory(lease, i, repeat, version, explorer, prompt_ids, s.token_ids, s.logprobs,
@@ -134,10 +138,10 @@ def multi_turn(engine, leases: list[dict[str, Any]], make_env: Callable, *, repe
                 episode.loss_mask += [0] * len(env_ids)
     generated = time.monotonic()
     groups: dict[str, list[tuple[dict, bytes]]] = {}
-    for e in episodes:
-        model_ids = [t for t, m in zip(e.response_ids, e.loss_mask) if m]
-        result = evaluate(reward_fn, e.lease["task"], Response(e.turns[-1], model_ids, tuple(e.turns)),
-                          name=reward_name)
+    results = score_all(reward_fn, [e.lease["task"] for e in episodes],
+                        [Response(e.turns[-1], [t for t, m in zip(e.response_ids, e.loss_mask) if m], tuple(e.turns))
+                         for e in episodes], reward_name)
+    for e, result in zip(episodes, results):
         timings = {"queue_s": round(started - leased_at, 4), "generate_s": round(generated - started, 4),
                    "reward_s": 0.0}
         groups.setdefault(e.lease["lease_id"], []).append(build_trajectory(

@@ -1,0 +1,118 @@
+"""The reward worker process (`rlbus reward`): serve reward services to explorers through the broker.
+
+It says HELLO as role `reward` with its services (registered reward names or
+dotted paths; `rm` scores with the reward model at `reward.rm_path`, in one
+batch per request), then answers every EVAL the broker routes to it with a
+RESULT: one `{score, details, reason}` per item, in order. A reward that
+raises or returns a non-finite score gives `reward.failure_score` with the
+reason (reward/base.py), so one bad item never loses the others.
+"""
+
+from __future__ import annotations
+
+import queue
+import signal
+import socket
+from typing import Any, Callable
+
+import structlog
+
+from common import protocol as P
+from common.client import BrokerClient
+from common.config import RunConfig
+from common.logging import bind
+from reward.base import Response, RewardResult, evaluate, from_config, resolve
+
+log = structlog.get_logger()
+
+
+def _plain(result: RewardResult) -> dict[str, Any]:
+    details = {k: v for k, v in result.details.items() if isinstance(v, (str, int, float, bool, list, dict, type(None)))}
+    return {"score": result.score, "details": details, "reason": result.reason}
+
+
+class RewardWorker:
+    def __init__(self, cfg: RunConfig, services: list[str], name: str | None = None):
+        self.cfg = cfg
+        self.name = name or f"reward-{socket.gethostname()}-{id(self) % 10000}"
+        from_config(cfg.reward)  # applies the sandbox limits
+        self.handlers: dict[str, Callable[[list[dict]], list[dict]]] = {}
+        for service in services:
+            if service == "rm":
+                self.handlers["rm"] = self._rm_handler()
+            else:
+                fn = resolve(service)
+                self.handlers[service] = lambda items, fn=fn, s=service: [
+                    _plain(evaluate(fn, it["task"], Response(it.get("text", ""), it.get("token_ids", ())),
+                                    cfg.reward.failure_score, s)) for it in items]
+        self._stop = False
+        self.served = 0
+
+    def _rm_handler(self) -> Callable[[list[dict]], list[dict]]:
+        from reward.rm import RewardModel
+
+        if not self.cfg.reward.rm_path:
+            raise ValueError("service rm needs reward.rm_path (a sequence-classification model directory)")
+        model = RewardModel(self.cfg.reward.rm_path)
+
+        def score(items: list[dict]) -> list[dict]:
+            scores = model.score([it["task"].get("prompt", "") for it in items], [it.get("text", "") for it in items])
+            return [{"score": s, "details": {}, "reason": ""} for s in scores]
+
+        return score
+
+    def stop(self) -> None:
+        self._stop = True
+
+    def run(self) -> None:
+        b = self.cfg.broker
+        client = BrokerClient(b.address, "reward", self.name, heartbeat_interval_s=b.heartbeat_interval_s,
+                              liveness=b.liveness, capabilities={"services": sorted(self.handlers)},
+                              curve_server_key=b.curve_server_key, curve_client_key=b.curve_client_key)
+        client.start(timeout=60)
+        bind(peer=self.name)
+        log.info("reward_worker_ready", services=sorted(self.handlers))
+        try:
+            while not self._stop:
+                try:
+                    msg = client.inbox.get(timeout=0.2)
+                except queue.Empty:
+                    continue
+                if msg.command != P.EVAL:
+                    continue
+                handler = self.handlers.get(msg.header.get("service"))
+                items = msg.header.get("items", [])
+                if handler is None:
+                    results = [{"score": self.cfg.reward.failure_score, "details": {},
+                                "reason": f"this worker does not offer {msg.header.get('service')!r}"}] * len(items)
+                else:
+                    results = handler(items)
+                client.send(P.RESULT, {"job": msg.header["job"], "results": results})
+                self.served += len(items)
+        finally:
+            client.close(bye=True)
+        log.info("reward_worker_stopped", served=self.served)
+
+
+class RemoteReward:
+    """An explorer's reward that asks reward workers through the broker, one EVAL per batch."""
+
+    def __init__(self, client: BrokerClient, service: str, timeout_s: float):
+        self.client, self.service, self.timeout_s = client, service, timeout_s
+
+    def score_batch(self, tasks: list[dict], responses: list[Response]) -> list[RewardResult]:
+        items = [{"task": dict(t), "text": r.text, "token_ids": list(r.token_ids)} for t, r in zip(tasks, responses)]
+        reply = self.client.request(P.EVAL, {"service": self.service, "items": items}, timeout=None)
+        return [RewardResult(float(x["score"]), dict(x.get("details") or {}, served_by=reply.header.get("served_by")),
+                             x.get("reason", "")) for x in reply.header["results"]]
+
+    def __call__(self, task: dict, response: Response) -> RewardResult:
+        return self.score_batch([task], [response])[0]
+
+
+def run(cfg: RunConfig, services: list[str], name: str | None = None) -> None:
+    """Entry point of `rlbus reward`."""
+    worker = RewardWorker(cfg, services, name)
+    signal.signal(signal.SIGTERM, lambda *_: worker.stop())
+    signal.signal(signal.SIGINT, lambda *_: worker.stop())
+    worker.run()

@@ -1,0 +1,92 @@
+"""Reward workers behind the broker: load sharing, a worker dying mid-request, unknown services."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from common import protocol as P
+from common.client import BrokerError
+from reward.base import Response
+from reward.worker import RemoteReward
+from tests.conftest import REPO
+
+SLOW = "tests.helpers.slow_reward:score"
+
+
+@pytest.fixture
+def workers(tmp_path):
+    started = []
+
+    def start(b, name):
+        args = [sys.executable, "-m", "common.cli", "reward", "--broker", b.address, "--name", name,
+                "--service", "math", "--service", SLOW, "--set", "broker.heartbeat_interval_s=0.2",
+                "--set", "logging.format=json"]
+        proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"{name}.log", "w"))
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+
+def wait_for_services(tool, n, timeout=30):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        peers = [p for p in tool.request(P.STATUS).header["peers"] if p["role"] == "reward"]
+        if len(peers) >= n:
+            return
+        time.sleep(0.1)
+    raise TimeoutError("reward workers did not register")
+
+
+def test_workers_share_the_load_and_answer_in_order(broker_factory, clients, workers):
+    b = broker_factory("reward.eval_timeout_s=30")
+    workers(b, "w1")
+    workers(b, "w2")
+    ex = clients(b, "explorer", "ex")
+    wait_for_services(ex, 2)
+    remote = RemoteReward(ex, SLOW, 30)
+    tasks = [{"answer": str(i), "sleep": 0.3} for i in range(4)]
+    responses = [Response(str(i) if i % 2 == 0 else "wrong") for i in range(4)]
+    with ThreadPoolExecutor(6) as pool:
+        batches = list(pool.map(lambda _: remote.score_batch(tasks, responses), range(6)))
+    for results in batches:
+        assert [r.score for r in results] == [1.0, 0.0, 1.0, 0.0]
+    assert {r.details["served_by"] for results in batches for r in results} == {"w1", "w2"}
+    math = RemoteReward(ex, "math", 30).score_batch([{"answer": "42"}], [Response("\\boxed{42}")])
+    assert math[0].score == 1.0
+
+
+def test_a_worker_dying_mid_request_has_its_request_rerouted(broker_factory, clients, workers):
+    b = broker_factory("reward.eval_timeout_s=30")
+    procs = {"w1": workers(b, "w1"), "w2": workers(b, "w2")}
+    ex = clients(b, "explorer", "ex")
+    wait_for_services(ex, 2)
+    pending = ex.submit(P.EVAL, {"service": SLOW, "items": [{"task": {"answer": "x", "sleep": 2}, "text": "x"}]})
+    deadline = time.monotonic() + 10
+    routed = []
+    while not routed and time.monotonic() < deadline:
+        routed = [e for e in b.log_events() if e["event"] == "eval_routed"]
+        time.sleep(0.02)
+    victim = routed[0]["worker"]
+    os.kill(procs[victim].pid, signal.SIGKILL)
+    reply = pending.result(20)
+    assert reply.command == P.RESULT and reply.header["results"][0]["score"] == 1.0
+    assert reply.header["served_by"] != victim
+    assert any(e["event"] == "eval_rerouted" and e["lost_worker"] == victim for e in b.log_events())
+
+
+def test_a_service_no_worker_offers_is_a_clear_error(broker, clients):
+    ex = clients(broker, "explorer", "ex")
+    with pytest.raises(BrokerError, match="no_service.*'code'.*rlbus reward"):
+        ex.request(P.EVAL, {"service": "code", "items": [{"task": {}, "text": ""}]})
