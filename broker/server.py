@@ -23,6 +23,7 @@ from typing import Any
 import structlog
 import zmq
 
+from broker.bus import WeightBus
 from broker.peers import Peer, Peers
 from broker.rewards import RewardRouter
 from broker.store import Group, Store
@@ -55,8 +56,6 @@ class Broker:
         self.store = Store(cfg.buffer_dir(), cfg.buffer.fsync, cfg.buffer.segment_bytes, cfg.buffer.cache_mb << 20)
         self.run_id = self.store.get_meta("run_id") or f"{cfg.run.name}-{uuid.uuid4().hex[:8]}"
         self.store.set_meta("run_id", self.run_id)
-        self.weights = self.store.get_meta("weights") or {
-            "version": 0, "method": "checkpoint", "location": "", "digest": "", "step": 0, "published_at": 0.0}
         self.trainer_step = int(self.store.get_meta("trainer_step", 0))
         self.tasks = TaskQueue(self.store, make_taskset(cfg.data), cfg.data.batch_tasks, bcfg.lease_timeout_s)
         self.peers = Peers()
@@ -78,8 +77,8 @@ class Broker:
                                           [self.router, self.pub])
         self.port = self._bind(self.router, bcfg.port)
         self.pub_port = self._bind(self.pub, bcfg.pub_port)
+        self.bus = WeightBus(self.pub, self.store, bcfg.republish_interval_s)
         self._last_tick = 0.0
-        self._last_publish = 0.0
         self._running = True
 
     def _bind(self, sock: zmq.Socket, port: int) -> int:
@@ -96,7 +95,7 @@ class Broker:
         path = self.cfg.buffer_dir() / "endpoints.json"
         path.write_text(json.dumps(endpoints))
         log.info("broker_ready", run_id=self.run_id, port=self.port, pub_port=self.pub_port,
-                 depth=self.store.depth, trainer_step=self.trainer_step, weights_version=self.weights["version"],
+                 depth=self.store.depth, trainer_step=self.trainer_step, weights_version=self.bus.state["version"],
                  curve=self._auth is not None)
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
@@ -216,7 +215,7 @@ class Broker:
         s = self.cfg.sync
         self._reply(identity, msg, P.WELCOME, {
             "run_id": self.run_id, "peer": peer.name, "heartbeat_interval_s": self.hb,
-            "liveness": self.cfg.broker.liveness, "weights": self.weights, "credit": self._credit(),
+            "liveness": self.cfg.broker.liveness, "weights": self.bus.state, "credit": self._credit(),
             "max_message_bytes": self.cfg.broker.max_message_bytes,
             "sync": {"sync_style": s.sync_style, "sync_interval": s.sync_interval, "sync_offset": s.sync_offset,
                      "max_staleness": s.max_staleness, "sync_method": s.sync_method,
@@ -429,24 +428,10 @@ class Broker:
                 self._send(peer.identity, P.encode(P.CREDIT, {"credit": credit}))
 
     def _publish(self, peer: Peer, msg: P.Message) -> None:
-        h = msg.header
-        if h["method"] not in ("checkpoint", "nccl"):
-            return self._reply(peer.identity, msg, P.ERROR, {
-                "code": "bad_field", "message": f"PUBLISH: method {h['method']!r} is not checkpoint or nccl"})
-        if h["version"] < self.weights["version"]:
-            return self._reply(peer.identity, msg, P.ERROR, {
-                "code": "conflict", "message": f"version {h['version']} is older than the published "
-                                               f"{self.weights['version']}"})
-        self.weights = {"version": h["version"], "method": h["method"], "location": h["location"],
-                        "digest": h["digest"], "step": h.get("step", h["version"]), "published_at": time.time()}
-        self.store.set_meta("weights", self.weights)
-        log.info("weights_published", policy_version=h["version"], method=h["method"], location=h["location"])
+        error = self.bus.publish(msg.header)
+        if error is not None:
+            return self._reply(peer.identity, msg, P.ERROR, {"code": error.code, "message": error.message})
         self._reply(peer.identity, msg, P.OK, {})
-        self._broadcast_weights()
-
-    def _broadcast_weights(self) -> None:
-        self.pub.send_multipart([P.TOPIC_WEIGHTS, P.PROTOCOL, P.pack(self.weights)])
-        self._last_publish = time.time()
 
     def _status(self, peer: Peer, msg: P.Message) -> None:
         self._reply(peer.identity, msg, P.STATUS, self.status())
@@ -455,7 +440,7 @@ class Broker:
         now = time.time()
         c = self.store.counts
         return {
-            "run_id": self.run_id, "weights": self.weights, "trainer_step": self.trainer_step,
+            "run_id": self.run_id, "weights": self.bus.state, "trainer_step": self.trainer_step,
             "peers": [{"name": p.name, "role": p.role, "policy_version": p.policy_version,
                        "last_seen_s": round(now - p.last_seen, 3), "leases": self.tasks.held_by(p.name)}
                       for p in self.peers],
@@ -486,8 +471,7 @@ class Broker:
         expired = self.tasks.expire(now)
         if expired:
             log.info("leases_expired", n=len(expired), seqs=[lz.seq for lz in expired][:16])
-        if now - self._last_publish >= self.cfg.broker.republish_interval_s:
-            self._broadcast_weights()
+        self.bus.tick(now)
 
     def close(self) -> None:
         log.info("broker_stopping", depth=self.store.depth, peers=len(self.peers))

@@ -1,0 +1,56 @@
+"""The weight-version bus: the latest weight state, kept durably and put on the PUB socket.
+
+The state is `{version, method, location, digest, step, published_at}`;
+version 0 with an empty location is the initial model. A PUBLISH replaces it
+(never with an older version), stores it beside the buffer, and sends it at
+once; `tick` sends it again every `republish_interval_s`, because PUB drops
+messages for subscribers that are still connecting. Never deltas: one
+message is enough to know everything (the Clone pattern's snapshot).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import structlog
+import zmq
+
+from broker.store import Store
+from common import protocol as P
+
+log = structlog.get_logger()
+
+METHODS = ("checkpoint", "nccl")
+
+
+class WeightBus:
+    def __init__(self, pub: zmq.Socket, store: Store, republish_s: float):
+        self.pub = pub
+        self.store = store
+        self.republish_s = republish_s
+        self.state: dict[str, Any] = store.get_meta("weights") or {
+            "version": 0, "method": "checkpoint", "location": "", "digest": "", "step": 0, "published_at": 0.0}
+        self._last = 0.0
+
+    def publish(self, h: dict[str, Any]) -> P.ProtocolError | None:
+        """Take a PUBLISH header; returns the error to answer with, or None once it is stored and sent."""
+        if h["method"] not in METHODS:
+            return P.ProtocolError("bad_field", f"PUBLISH: method {h['method']!r} is not one of {METHODS}")
+        if h["version"] < self.state["version"]:
+            return P.ProtocolError("conflict", f"version {h['version']} is older than the published "
+                                               f"{self.state['version']}")
+        self.state = {"version": h["version"], "method": h["method"], "location": h["location"],
+                      "digest": h["digest"], "step": h.get("step", h["version"]), "published_at": time.time()}
+        self.store.set_meta("weights", self.state)
+        log.info("weights_published", policy_version=h["version"], method=h["method"], location=h["location"])
+        self.send()
+        return None
+
+    def send(self) -> None:
+        self.pub.send_multipart([P.TOPIC_WEIGHTS, P.PROTOCOL, P.pack(self.state)])
+        self._last = time.time()
+
+    def tick(self, now: float) -> None:
+        if now - self._last >= self.republish_s:
+            self.send()
