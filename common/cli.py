@@ -146,6 +146,31 @@ def status(config: ConfigArg = None, set: SetOpt = None,
 
 
 @app.command()
+def logs(run_dir: Annotated[Path, typer.Argument(help="A run directory (its logs/ holds one JSON-lines file per component).")],
+         follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new events.")] = False,
+         component: Annotated[Optional[list[str]], typer.Option(help="Only this component (repeat).")] = None,
+         peer: Annotated[str, typer.Option(help="Only this peer.")] = "",
+         level: Annotated[str, typer.Option(help="Lowest level: debug, info, warning, error.")] = "debug",
+         grep: Annotated[str, typer.Option(help="Only lines matching this regular expression.")] = "",
+         since: Annotated[str, typer.Option(help="Only events after this: 15m, 2h, or an ISO time.")] = "",
+         json_lines: Annotated[bool, typer.Option("--json", help="Print the raw JSON lines.")] = False) -> None:
+    """Merge a run's component logs in time order and show them (or follow them)."""
+    from common.logview import LEVELS, Filter, parse_since, show
+
+    if level not in LEVELS:
+        typer.echo(f"error: --level {level!r} is not one of {', '.join(LEVELS)}", err=True)
+        raise typer.Exit(2)
+    try:
+        flt = Filter(tuple(component or ()), peer, level, grep, parse_since(since) if since else 0.0)
+        show(run_dir, flt, as_json=json_lines, follow=follow)
+    except (ValueError, FileNotFoundError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    except KeyboardInterrupt:
+        pass
+
+
+@app.command()
 def keys(directory: Annotated[Path, typer.Argument(help="Where to write the key files.")],
          name: Annotated[str, typer.Argument(help="Key name, e.g. broker or explorer-1.")]) -> None:
     """Make a CurveZMQ key pair: NAME.key (public, give it to the other side) and NAME.key_secret."""

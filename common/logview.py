@@ -1,0 +1,136 @@
+"""`rlbus logs RUN_DIR`: the components' JSON logs, merged in time order and shown readably.
+
+Every component of a run writes JSON lines to `RUN_DIR/logs/<component>.jsonl`
+(each line has `ts`, `level`, `event`, `component` and its fields). This
+merges them by `ts`, filters (component, peer, minimum level, a regular
+expression, a start time), and prints either a readable line per event or
+the raw JSON. With `follow` it then keeps printing what the components
+append, files created later included, until interrupted.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import re
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Iterable, Iterator, TextIO
+
+LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40, "critical": 50}
+_FIXED = ("ts", "level", "event", "component", "peer")
+
+
+@dataclass
+class Filter:
+    components: tuple[str, ...] = ()
+    peer: str = ""
+    level: str = "debug"
+    grep: str = ""
+    since: float = 0.0
+
+    def __post_init__(self) -> None:
+        self._grep = re.compile(self.grep) if self.grep else None
+
+    def keep(self, event: dict, raw: str) -> bool:
+        if self.components and event.get("component") not in self.components:
+            return False
+        if self.peer and event.get("peer") != self.peer:
+            return False
+        if LEVELS.get(event.get("level", "info"), 20) < LEVELS[self.level]:
+            return False
+        if event.get("ts", 0) < self.since:
+            return False
+        return not self._grep or bool(self._grep.search(raw))
+
+
+def parse_since(text: str, now: float | None = None) -> float:
+    """`90s`, `15m`, `2h` ago, or an ISO time (`2026-11-22T05:00:00`, local time) -> Unix seconds."""
+    now = time.time() if now is None else now
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([smhd])", text.strip())
+    if match:
+        return now - float(match[1]) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[match[2]]
+    try:
+        return datetime.fromisoformat(text).timestamp()
+    except ValueError:
+        raise ValueError(f"--since {text!r}: use a duration like 15m or 2h, or an ISO time") from None
+
+
+def _events(path: Path, start: int = 0) -> Iterator[tuple[float, dict, str, int]]:
+    """(ts, event, raw line, offset after it) for every complete JSON line from byte `start`."""
+    with open(path, "rb") as f:
+        f.seek(start)
+        offset = start
+        for raw in f:
+            if not raw.endswith(b"\n"):
+                break  # a line still being written: read it next time
+            offset += len(raw)
+            line = raw.decode("utf-8", "replace").strip()
+            if not line:
+                continue
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                event = {"event": "unparsed_line", "text": line[:500]}
+            event.setdefault("component", path.stem)
+            yield float(event.get("ts", 0.0)), event, line, offset
+
+
+def format_event(event: dict) -> str:
+    ts = datetime.fromtimestamp(float(event.get("ts", 0))).strftime("%H:%M:%S.%f")[:-3]
+    who = event.get("component", "?") + (f"/{event['peer']}" if event.get("peer") else "")
+    fields = " ".join(f"{k}={json.dumps(v) if isinstance(v, (dict, list)) else v}"
+                      for k, v in event.items() if k not in _FIXED)
+    return f"{ts} {who:<22} {event.get('level', 'info'):<7} {event.get('event', '')} {fields}".rstrip()
+
+
+def _emit(out: TextIO, event: dict, as_json: bool) -> None:
+    # JSON mode prints the event as logged, with `component` filled in from the file name where missing.
+    out.write((json.dumps(event) if as_json else format_event(event)) + "\n")
+
+
+def show(run_dir: str | Path, flt: Filter, as_json: bool = False, follow: bool = False, out: TextIO | None = None,
+         poll_s: float = 0.2, until: float | None = None) -> int:
+    """Print the merged logs; with `follow`, keep going until interrupted (or `until`). Returns events shown."""
+    import sys
+
+    out = out or sys.stdout
+    logs = Path(run_dir) / "logs"
+    if not logs.is_dir():
+        raise FileNotFoundError(f"{logs} does not exist: give a run directory (one `rlbus up` made)")
+    offsets: dict[Path, int] = {}
+    streams = []
+    for path in sorted(logs.glob("*.jsonl")):
+        events = list(_events(path))
+        offsets[path] = events[-1][3] if events else 0
+        streams.append([(ts, i, path.stem, ev, raw) for i, (ts, ev, raw, _) in enumerate(events)])
+    shown = 0
+    for _, _, _, event, raw in heapq.merge(*streams, key=lambda e: (e[0], e[2], e[1])):
+        if flt.keep(event, raw):
+            _emit(out, event, as_json)
+            shown += 1
+    out.flush()
+    while follow and (until is None or time.time() < until):
+        time.sleep(poll_s)
+        fresh: list[tuple[float, dict, str]] = []
+        for path in sorted(logs.glob("*.jsonl")):
+            for ts, event, raw, offset in _events(path, offsets.get(path, 0)):
+                fresh.append((ts, event, raw))
+                offsets[path] = offset
+        for _, event, raw in sorted(fresh, key=lambda e: e[0]):
+            if flt.keep(event, raw):
+                _emit(out, event, as_json)
+                shown += 1
+        out.flush()
+    return shown
+
+
+def read_events(run_dir: str | Path, components: Iterable[str] = ()) -> list[dict]:
+    """Every event of a run, merged by time (for tools such as the timeline)."""
+    import io
+
+    buf = io.StringIO()
+    show(run_dir, Filter(tuple(components)), as_json=True, out=buf)
+    return [json.loads(line) for line in buf.getvalue().splitlines() if line.startswith("{")]

@@ -1,0 +1,90 @@
+"""`rlbus logs`: merged in time order, filtered, followed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from common.logview import Filter, parse_since, read_events, show
+from tests.conftest import REPO
+
+
+def write(path, *events):
+    with open(path, "a") as f:
+        for e in events:
+            f.write(json.dumps(e) + "\n")
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    write(logs / "broker.jsonl", {"ts": 1.0, "level": "info", "event": "broker_ready", "component": "broker"},
+          {"ts": 4.0, "level": "warning", "event": "bad_message", "component": "broker", "code": "malformed"})
+    write(logs / "trainer.jsonl", {"ts": 2.0, "level": "info", "event": "train_step", "component": "trainer",
+                                   "peer": "trainer", "step": 0},
+          {"ts": 5.0, "level": "error", "event": "boom", "component": "trainer", "peer": "trainer"})
+    write(logs / "explorer-0.jsonl", {"ts": 3.0, "level": "debug", "event": "explorer_batch",
+                                      "component": "explorer", "peer": "explorer-0", "batch_index": 0})
+    (logs / "explorer-0.jsonl").open("a").write('{"ts": 6.0, "event": "half a li')  # still being written
+    return tmp_path
+
+
+def test_merged_in_time_order(run_dir):
+    assert [e["ts"] for e in read_events(run_dir)] == [1.0, 2.0, 3.0, 4.0, 5.0]
+
+
+@pytest.mark.parametrize("flt,events", [
+    (Filter(components=("trainer",)), ["train_step", "boom"]),
+    (Filter(peer="explorer-0"), ["explorer_batch"]),
+    (Filter(level="warning"), ["bad_message", "boom"]),
+    (Filter(grep="step|batch"), ["train_step", "explorer_batch"]),
+    (Filter(since=3.5), ["bad_message", "boom"]),
+])
+def test_filters(run_dir, flt, events):
+    import io
+
+    buf = io.StringIO()
+    show(run_dir, flt, as_json=True, out=buf)
+    assert [json.loads(line)["event"] for line in buf.getvalue().splitlines()] == events
+
+
+def test_readable_lines_and_since_parsing(run_dir):
+    import io
+
+    buf = io.StringIO()
+    show(run_dir, Filter(components=("trainer",)), out=buf)
+    first = buf.getvalue().splitlines()[0]
+    assert "trainer/trainer" in first and "train_step" in first and "step=0" in first
+    assert parse_since("15m", now=10_000) == 10_000 - 900
+    with pytest.raises(ValueError, match="15m or 2h"):
+        parse_since("yesterday")
+
+
+def test_follow_prints_what_components_append(run_dir):
+    proc = subprocess.Popen([sys.executable, "-m", "common.cli", "logs", str(run_dir), "--follow", "--json",
+                             "--level", "info"], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        seen = [json.loads(proc.stdout.readline())["event"] for _ in range(4)]
+        assert seen == ["broker_ready", "train_step", "bad_message", "boom"]
+        time.sleep(0.3)
+        write(run_dir / "logs" / "trainer.jsonl", {"ts": 7.0, "level": "info", "event": "train_step", "step": 1})
+        write(run_dir / "logs" / "explorer-1.jsonl", {"ts": 8.0, "level": "info", "event": "explorer_connected"})
+        got = [json.loads(proc.stdout.readline()) for _ in range(2)]
+        assert [(e["event"], e["component"]) for e in got] == [("train_step", "trainer"),
+                                                              ("explorer_connected", "explorer-1")]
+    finally:
+        os.kill(proc.pid, signal.SIGINT)
+        proc.wait(10)
+
+
+def test_missing_run_dir_is_a_clear_error(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "common.cli", "logs", str(tmp_path / "nope")], cwd=REPO,
+                          capture_output=True, text=True)
+    assert done.returncode == 2 and "give a run directory" in done.stderr
