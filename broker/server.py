@@ -56,6 +56,8 @@ class Broker:
         self.store = Store(cfg.buffer_dir(), cfg.buffer.fsync, cfg.buffer.segment_bytes, cfg.buffer.cache_mb << 20)
         self.run_id = self.store.get_meta("run_id") or f"{cfg.run.name}-{uuid.uuid4().hex[:8]}"
         self.store.set_meta("run_id", self.run_id)
+        self.started_at = self.store.get_meta("started_at") or time.time()
+        self.store.set_meta("started_at", self.started_at)
         self.trainer_step = int(self.store.get_meta("trainer_step", 0))
         self.tasks = TaskQueue(self.store, make_taskset(cfg.data), cfg.data.batch_tasks, bcfg.lease_timeout_s)
         self.peers = Peers()
@@ -214,7 +216,7 @@ class Broker:
                  reconnect=reconnect, peers=len(self.peers))
         s = self.cfg.sync
         self._reply(identity, msg, P.WELCOME, {
-            "run_id": self.run_id, "peer": peer.name, "heartbeat_interval_s": self.hb,
+            "run_id": self.run_id, "started_at": self.started_at, "peer": peer.name, "heartbeat_interval_s": self.hb,
             "liveness": self.cfg.broker.liveness, "weights": self.bus.state, "credit": self._credit(),
             "max_message_bytes": self.cfg.broker.max_message_bytes,
             "sync": {"sync_style": s.sync_style, "sync_interval": s.sync_interval, "sync_offset": s.sync_offset,

@@ -199,6 +199,8 @@ class ExplorerConfig(Section):
     """New tokens per response."""
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     """vLLM compute dtype."""
+    eval_every: int = Field(0, ge=0)
+    """Greedy accuracy on the held-out set every this many policy versions, and at versions 0 and the last (0: never)."""
     memory_fraction: float = Field(0.3, gt=0, le=1)
     """vLLM gpu_memory_utilization; on CPU the share of host memory it reserves (0.3 works, the default 0.9 does not)."""
 

@@ -65,7 +65,9 @@ class Launcher:
                          Child("trainer", "trainer", parse_cpus(launch.trainer_cpus))]
         for i in range(launch.explorers):
             cpus = parse_cpus(launch.explorer_cpus[i]) if i < len(launch.explorer_cpus) else set()
-            self.children.append(Child(f"explorer-{i}", "explorer", cpus, ["--name", f"explorer-{i}"]))
+            # One explorer evaluates on the held-out set: the others only explore.
+            extra = ["--name", f"explorer-{i}"] + (["--set", "explorer.eval_every=0"] if i else [])
+            self.children.append(Child(f"explorer-{i}", "explorer", cpus, extra))
         self._stopping = False
         self.exit_code = 0
 
@@ -181,7 +183,43 @@ class Launcher:
                     log.info("run_progress", **self.progress())
         finally:
             self._shutdown()
+            self.summary()
         return self.exit_code
+
+    def _events(self, name: str, event: str) -> list[dict]:
+        path = self.logs / f"{name}.jsonl"
+        if not path.exists():
+            return []
+        out = []
+        for line in path.read_text(errors="replace").splitlines():
+            if f'"{event}"' in line:
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue
+        return out
+
+    def summary(self) -> dict:
+        """The run in numbers: held-out accuracy before and after, time to 0.9, reward over the steps."""
+        evals = sorted(self._events("explorer-0", "eval"), key=lambda e: e["policy_version"])
+        steps = [e for e in self._events("trainer", "train_step") if e.get("reward_mean") is not None]
+        rewards = [e["reward_mean"] for e in steps]
+        k = max(1, min(5, len(rewards) // 2))
+        reached = [e["elapsed_s"] for e in evals if e["accuracy"] >= 0.9]
+        result = {
+            "steps": len(self._events("trainer", "train_step")),
+            "accuracy_before": evals[0]["accuracy"] if evals and evals[0]["policy_version"] == 0 else None,
+            "accuracy_after": evals[-1]["accuracy"] if evals else None,
+            "final_version": evals[-1]["policy_version"] if evals else None,
+            "seconds_to_accuracy_0_9": min(reached) if reached else None,
+            "accuracy_by_time": [(e["elapsed_s"], e["policy_version"], e["accuracy"]) for e in evals],
+            "reward_first_steps": round(sum(rewards[:k]) / k, 4) if rewards else None,
+            "reward_last_steps": round(sum(rewards[-k:]) / k, 4) if rewards else None,
+            "reward_by_step": [(e["step"], e["reward_mean"]) for e in steps],
+        }
+        (self.run_dir / "summary.json").write_text(json.dumps(result, indent=2))
+        log.info("run_summary", **{k: v for k, v in result.items() if k not in ("reward_by_step", "accuracy_by_time")})
+        return result
 
     def _check_children(self) -> bool:
         """Handle exits; True when the run is over."""

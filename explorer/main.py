@@ -46,6 +46,8 @@ class Explorer:
         self.stop_event = threading.Event()
         self.batches = 0
         self.client: BrokerClient | None = None
+        self.evaluated: set[int] = set()
+        self.started_at = time.time()
 
     def connect(self) -> dict[str, Any]:
         b = self.cfg.broker
@@ -62,6 +64,7 @@ class Explorer:
         # The broker's view of the run wins over this process's config: every
         # explorer of a run samples the same group size.
         self.repeat = welcome["sync"]["repeat"]
+        self.started_at = welcome.get("started_at", self.started_at)
         bind(peer=self.name)
         log.info("explorer_connected", run_id=welcome["run_id"], weights_version=welcome["weights"]["version"],
                  sync=welcome["sync"])
@@ -100,6 +103,31 @@ class Explorer:
         log.info("weights_wait_over", policy_version=self.engine.version, need_version=need,
                  waited_s=round(time.monotonic() - started, 3))
 
+    # ---- held-out evaluation ----------------------------------------------
+
+    def evaluate(self, force: bool = False) -> float | None:
+        """Greedy accuracy on the held-out set with the current weights, logged as `eval`; once per version."""
+        every, version = self.cfg.explorer.eval_every, self.engine.version
+        if not every or version in self.evaluated or not (force or version % every == 0):
+            return None
+        from common.tasksets import make_taskset
+
+        held_out = make_taskset(self.cfg.data, eval_set=True)
+        tasks = [held_out.task(i) for i in range(len(held_out))]
+        if not tasks:
+            return None
+        started = time.monotonic()
+        prompts = [self.engine.chat_prompt([{"role": "user", "content": t["prompt"]}]) for t in tasks]
+        outs = self.engine.generate(prompts, n=1, temperature=0.0, max_tokens=self.cfg.explorer.max_tokens)
+        from reward.base import Response
+
+        scores = [self.reward_fn(t, Response(o[0].text, o[0].token_ids)).score for t, o in zip(tasks, outs)]
+        accuracy = sum(1 for s in scores if s >= 1.0) / len(scores)
+        self.evaluated.add(version)
+        log.info("eval", policy_version=version, accuracy=round(accuracy, 4), problems=len(tasks),
+                 elapsed_s=round(time.time() - self.started_at, 1), seconds=round(time.monotonic() - started, 2))
+        return accuracy
+
     # ---- the loop ---------------------------------------------------------
 
     def run(self, max_batches: int | None = None) -> int:
@@ -111,6 +139,7 @@ class Explorer:
         try:
             while not self.stop_event.is_set() and (max_batches is None or self.batches < max_batches):
                 self._load_newest()
+                self.evaluate()
                 reply = self.client.request(P.LEASE, {"max_tasks": ecfg.tasks_per_lease,
                                                       "policy_version": self.engine.version}, timeout=None)
                 if reply.command == P.DONE:
@@ -146,6 +175,9 @@ class Explorer:
                          rollout_s=round(rollout_s, 3), tokens=tokens, tokens_per_s=round(tokens / rollout_s, 1))
             for future in pending:
                 future.result(timeout=None)
+            if self.cfg.explorer.eval_every:  # the newest weights, once more, for the run's last word
+                self._load_newest()
+                self.evaluate(force=True)
         finally:
             self.client.close(bye=True)
         log.info("explorer_stopped", batches=self.batches)

@@ -18,13 +18,14 @@ def test_up_runs_broker_trainer_and_explorer_to_the_end(tiny_model, tmp_path):
             "trainer.total_steps=3", "trainer.checkpoint_every=2", "trainer.micro_batch=4", "trainer.lr=1e-4",
             "trainer.fetch_wait_s=1", "explorer.max_tokens=8", "explorer.dtype=float32",
             "explorer.memory_fraction=0.1", "launch.explorers=1", "launch.status_interval_s=1",
-            "logging.format=json", "algorithm.skip_zero_spread=false"]
+            "logging.format=json", "algorithm.skip_zero_spread=false", "explorer.eval_every=2",
+            "data.eval_size=6"]
     args = [sys.executable, "-m", "common.cli", "up"] + [x for s in sets for x in ("--set", s)]
     done = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=600)
     events = [json.loads(line) for line in done.stderr.splitlines() if line.startswith("{")]
     assert done.returncode == 0, done.stderr[-3000:]
     names = [e["event"] for e in events]
-    assert "trainer_finished" in names and names[-1] == "run_stopped"
+    assert "trainer_finished" in names and names[-2:] == ["run_stopped", "run_summary"]
     pids = [e["pid"] for e in events if e["event"] == "component_started"]
     assert len(pids) == 3
     for pid in pids:  # every component, and its process group, is gone
@@ -43,3 +44,7 @@ def test_up_runs_broker_trainer_and_explorer_to_the_end(tiny_model, tmp_path):
     assert (run_dir / "weights" / "v3" / "model.safetensors").exists()
     assert (run_dir / "checkpoints").exists()
     assert any(e["event"] == "run_progress" for e in events)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["accuracy_before"] is not None
+    assert [v for _, v, _ in summary["accuracy_by_time"]][0] == 0
+    assert summary["final_version"] >= 2 and summary["reward_last_steps"] is not None
