@@ -264,7 +264,7 @@ class Broker:
             tasks = [{"lease_id": lz.lease_id, "task_id": t["task_id"], "seq": lz.seq,
                       "batch_index": self.tasks.batch_of(lz.seq), "task": t} for lz, t in granted]
             log.info("tasks_leased", peer=peer.name, n=len(tasks), batch_index=tasks[0]["batch_index"],
-                     policy_version=version)
+                     policy_version=version, depth=self.store.depth)
             return self._reply(peer.identity, msg, P.TASKS, {"tasks": tasks, "lease_s": self.cfg.broker.lease_timeout_s})
         batch = self.tasks.next_batch()
         if batch is None:
@@ -387,6 +387,7 @@ class Broker:
         if not enough:
             return False
         self.store.deliver(step, groups, {"trainer_step": self.trainer_step})
+        log.info("batch_delivered", step=step, groups=len(groups), depth=self.store.depth)
         self._send_batch(identity, msg, step, groups, expired, skipped)
         return True
 

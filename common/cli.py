@@ -171,6 +171,21 @@ def logs(run_dir: Annotated[Path, typer.Argument(help="A run directory (its logs
 
 
 @app.command()
+def timeline(run_dir: Annotated[Path, typer.Argument(help="A run directory.")],
+             output: Annotated[Path, typer.Option("-o", "--output", help="PNG to write.")] = Path("timeline.png")
+             ) -> None:
+    """Draw a run: one lane per explorer and the trainer, the buffer's depth, rollout/train/sync spans."""
+    from common.timeline import render
+
+    try:
+        spans = render(run_dir, output)
+    except (ValueError, FileNotFoundError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"{output}: {len(spans)} spans")
+
+
+@app.command()
 def keys(directory: Annotated[Path, typer.Argument(help="Where to write the key files.")],
          name: Annotated[str, typer.Argument(help="Key name, e.g. broker or explorer-1.")]) -> None:
     """Make a CurveZMQ key pair: NAME.key (public, give it to the other side) and NAME.key_secret."""

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO, free_port
 
 
@@ -44,6 +46,18 @@ def test_up_runs_broker_trainer_and_explorer_to_the_end(tiny_model, tmp_path):
     assert (run_dir / "weights" / "v3" / "model.safetensors").exists()
     assert (run_dir / "checkpoints").exists()
     assert any(e["event"] == "run_progress" for e in events)
+    # The timeline draws exactly what the logs say.
+    from common.timeline import render
+
+    spans = render(run_dir, tmp_path / "timeline.png")
+    assert (tmp_path / "timeline.png").stat().st_size > 10_000
+    batches = [json.loads(x) for x in (run_dir / "logs" / "explorer-0.jsonl").read_text().splitlines()
+               if '"explorer_batch"' in x]
+    assert len([s for s in spans if s.kind == "rollout"]) == len(batches)
+    assert len([s for s in spans if s.lane == "trainer" and s.kind == "train"]) == len(steps)
+    origin = min(s.start for s in spans)
+    first = min((s for s in spans if s.kind == "rollout"), key=lambda s: s.end)
+    assert first.end - first.start == pytest.approx(batches[0]["rollout_s"], abs=1e-6) and origin <= first.start
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["accuracy_before"] is not None
     assert [v for _, v, _ in summary["accuracy_by_time"]][0] == 0
