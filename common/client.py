@@ -238,7 +238,12 @@ class BrokerClient:
             if request.future.cancelled():
                 continue
             if request.command == P.BYE:
+                # Nothing will answer what is still outstanding: say so rather than leave callers waiting.
+                for waiting in [*self._pending.values(), *self._held]:
+                    if not waiting.future.done():
+                        waiting.future.set_exception(ConnectionError("the client said BYE before a reply came"))
                 self._pending.clear()
+                self._held.clear()
                 if self._welcome_ok:
                     self._send(P.BYE, {})
                 self._bye_sent.set()

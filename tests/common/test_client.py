@@ -42,3 +42,13 @@ def test_request_timeout_is_bounded():
         c.request(P.STATUS, timeout=0.3)
     assert time.monotonic() - t0 < 2
     c.close(bye=False, timeout=1)
+
+
+def test_close_fails_outstanding_requests_instead_of_leaving_them_waiting(broker, clients):
+    """A FETCH held at the broker when the client says BYE ends with an error, not a hang."""
+    t = clients(broker, "trainer", "leaving")
+    pending = t.submit(P.FETCH, {"step": 0, "max_groups": 1, "wait_ms": 60000})
+    time.sleep(0.2)
+    t.close(bye=True)
+    with pytest.raises(ConnectionError, match="BYE"):
+        pending.result(5)
