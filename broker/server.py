@@ -241,15 +241,24 @@ class Broker:
 
     # ---- tasks ------------------------------------------------------------
 
-    def need_version(self, batch_index: int) -> int:
-        """Oldest policy version allowed to generate `batch_index` (admission control)."""
+    def refusal(self, batch_index: int, version: int) -> tuple[str, int] | None:
+        """Why an explorer holding `version` may not generate `batch_index` now, or None (admission control).
+
+        ("version", need): its weights are too old, it must load `need` first.
+        ("ahead", 0), async only: data generated now would be staler than
+        max_staleness by the time the trainer reaches it; newer weights would not
+        help, so it backs off until the trainer catches up.
+        """
         s = self.cfg.sync
-        floor = self.trainer_step - s.max_staleness
+        floor = max(0, self.trainer_step - s.max_staleness)
         if s.sync_style == "lockstep":
-            return max(0, s.required_version(batch_index), floor)
+            need = max(s.required_version(batch_index), floor)
+            return None if version >= need else ("version", need)
+        if version < floor:
+            return "version", floor
         queued = (sum(len(g.trajs) for g in self.store.ready.values()) // max(1, self.cfg.data.repeat)
-                  + len(self.tasks.leases))
-        return max(0, floor + queued // self.cfg.data.batch_tasks)
+                  + len(self.tasks.leases)) // self.cfg.data.batch_tasks
+        return ("ahead", 0) if self.trainer_step + queued - version > s.max_staleness else None
 
     def _lease(self, peer: Peer, msg: P.Message) -> None:
         version = msg.header["policy_version"]
@@ -259,7 +268,7 @@ class Broker:
         if room < self.cfg.data.repeat:
             return self._reply(peer.identity, msg, P.WAIT, {"reason": "buffer_full", "retry_after_s": self.hb})
         max_tasks = min(msg.header["max_tasks"], max(1, room // self.cfg.data.repeat))
-        granted = self.tasks.lease(peer.name, max_tasks, now, lambda e: version >= self.need_version(e))
+        granted = self.tasks.lease(peer.name, max_tasks, now, lambda e: self.refusal(e, version) is None)
         if granted:
             tasks = [{"lease_id": lz.lease_id, "task_id": t["task_id"], "seq": lz.seq,
                       "batch_index": self.tasks.batch_of(lz.seq), "task": t} for lz, t in granted]
@@ -271,10 +280,13 @@ class Broker:
             if self.tasks.leases:
                 return self._reply(peer.identity, msg, P.WAIT, {"reason": "leased", "retry_after_s": self.hb})
             return self._reply(peer.identity, msg, P.DONE, {})
-        need = self.need_version(batch)
-        log.info("lease_wait", peer=peer.name, policy_version=version, need_version=need, batch_index=batch)
-        self._reply(peer.identity, msg, P.WAIT, {"reason": "version", "need_version": need,
-                                                 "retry_after_s": self.hb})
+        reason, need = self.refusal(batch, version) or ("ahead", 0)
+        log.info("lease_wait", peer=peer.name, policy_version=version, reason=reason, need_version=need,
+                 batch_index=batch)
+        header = {"reason": reason, "retry_after_s": self.hb / 4 if reason == "ahead" else self.hb}
+        if reason == "version":
+            header["need_version"] = need
+        self._reply(peer.identity, msg, P.WAIT, header)
 
     # ---- trajectories -----------------------------------------------------
 
