@@ -137,6 +137,7 @@ class Launcher:
     # ---- progress ---------------------------------------------------------
 
     def _last_event(self, name: str, event: str) -> dict | None:
+        """The newest event of a component's log whose line mentions `event` (a name or a field) in quotes."""
         path = self.logs / f"{name}.jsonl"
         if not path.exists():
             return None
@@ -157,7 +158,7 @@ class Launcher:
         for child in self.children[2:]:
             batch = self._last_event(child.name, "explorer_batch") or {}
             versions[child.name] = batch.get("policy_version")
-        broker = self._last_event("broker", "batch_committed") or {}
+        broker = self._last_event("broker", "depth") or {}  # the newest broker event that carries a depth
         alive = sum(1 for c in self.children[2:] if c.proc is not None and c.proc.poll() is None)
         return {"step": step.get("step"), "reward_mean": step.get("reward_mean"), "explorer_versions": versions,
                 "buffer_depth": broker.get("depth"), "explorers_running": alive}
