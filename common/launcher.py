@@ -89,9 +89,13 @@ class Launcher:
         log.info("component_started", component=child.name, pid=child.proc.pid, cpus=sorted(cpus) or None)
 
     def _signal(self, child: Child, sig: int) -> None:
+        """SIGTERM to the component itself, so it can stop its engine cleanly; SIGKILL to its whole group."""
         if child.proc is not None and child.proc.poll() is None:
             try:
-                os.killpg(child.proc.pid, sig)
+                if sig == signal.SIGKILL:
+                    os.killpg(child.proc.pid, sig)
+                else:
+                    os.kill(child.proc.pid, sig)
             except ProcessLookupError:
                 pass
 
@@ -118,8 +122,11 @@ class Launcher:
         self._signal(self.children[0], signal.SIGTERM)
         self._wait_all(self.children[:1], GRACE_S)
         for child in self.children:
-            self._signal(child, signal.SIGKILL)  # the group: engine processes included
             if child.proc is not None:
+                try:
+                    os.killpg(child.proc.pid, signal.SIGKILL)  # the group: engine processes included
+                except ProcessLookupError:
+                    pass
                 child.proc.wait()
                 _wait_group_gone(child.proc.pid, GRACE_S)
         log.info("run_stopped", run_dir=str(self.run_dir), exit_code=self.exit_code)
