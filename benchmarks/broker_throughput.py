@@ -184,7 +184,7 @@ def main() -> None:
     print(f"raw zmq push/pull, the same PUT messages: {raw:,.0f} traj/s", flush=True)
     raw1 = bench_raw(args, "raw1")
     print(f"raw zmq push/pull, one trajectory per message: {raw1:,.0f} traj/s", flush=True)
-    with tempfile.TemporaryDirectory(prefix="rlbus-bench-", dir=REPO) as tmp:
+    with tempfile.TemporaryDirectory(prefix="rlbus-bench-") as tmp:
         rate, lat = bench_broker(args, Path(tmp))
     lat.sort()
     p50 = lat[len(lat) // 2] * 1000 if lat else float("nan")

@@ -27,7 +27,7 @@ from broker.bus import WeightBus
 from broker.peers import Peer, Peers
 from broker.rewards import RewardRouter
 from broker.store import Group, Store
-from broker.tasks import TaskQueue
+from broker.tasks import TaskQueue, refusal
 from broker.writer import Writer
 from common import protocol as P
 from common.config import RunConfig
@@ -242,23 +242,10 @@ class Broker:
     # ---- tasks ------------------------------------------------------------
 
     def refusal(self, batch_index: int, version: int) -> tuple[str, int] | None:
-        """Why an explorer holding `version` may not generate `batch_index` now, or None (admission control).
-
-        ("version", need): its weights are too old, it must load `need` first.
-        ("ahead", 0), async only: data generated now would be staler than
-        max_staleness by the time the trainer reaches it; newer weights would not
-        help, so it backs off until the trainer catches up.
-        """
-        s = self.cfg.sync
-        floor = max(0, self.trainer_step - s.max_staleness)
-        if s.sync_style == "lockstep":
-            need = max(s.required_version(batch_index), floor)
-            return None if version >= need else ("version", need)
-        if version < floor:
-            return "version", floor
+        """Admission control for an explorer holding `version` (see broker.tasks.refusal)."""
         queued = (sum(len(g.trajs) for g in self.store.ready.values()) // max(1, self.cfg.data.repeat)
                   + len(self.tasks.leases)) // self.cfg.data.batch_tasks
-        return ("ahead", 0) if self.trainer_step + queued - version > s.max_staleness else None
+        return refusal(self.cfg.sync, batch_index, version, self.trainer_step, queued)
 
     def _lease(self, peer: Peer, msg: P.Message) -> None:
         version = msg.header["policy_version"]

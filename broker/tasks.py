@@ -30,6 +30,25 @@ class Lease:
     expires: float
 
 
+def refusal(sync, batch_index: int, version: int, trainer_step: int, queued_steps: int) -> tuple[str, int] | None:
+    """Why an explorer holding `version` may not generate `batch_index` now, or None (admission control).
+
+    ("version", need): its weights are too old; it must load `need` first
+    (lockstep: batch e needs max(0, floor((e - O)/I)*I); every style: no more
+    than max_staleness behind the trainer's step). ("ahead", 0), async only:
+    data generated now would be staler than max_staleness by the time the
+    trainer reaches it, `queued_steps` of data being queued or leased ahead;
+    newer weights would not help, so it backs off until the trainer catches up.
+    """
+    floor = max(0, trainer_step - sync.max_staleness)
+    if sync.sync_style == "lockstep":
+        need = max(sync.required_version(batch_index), floor)
+        return None if version >= need else ("version", need)
+    if version < floor:
+        return "version", floor
+    return ("ahead", 0) if trainer_step + queued_steps - version > sync.max_staleness else None
+
+
 def lease_id(seq: int, attempt: int) -> str:
     return f"t{seq}.{attempt}"
 
