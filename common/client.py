@@ -174,10 +174,8 @@ class BrokerClient:
         if self.curve:
             configure_client(self.sock, *self.curve)
         self.sock.connect(self.address)
-        self._connected_at = time.monotonic()
         self._last_recv = time.monotonic()
-        self._send(P.HELLO, {"role": self.role, "name": self.name, "pid": os.getpid(), "host": socket.gethostname(),
-                             "policy_version": self.policy_version, "capabilities": self.capabilities})
+        self._rehello()
 
     def _open_bus(self) -> None:
         self.sub = None
@@ -368,8 +366,8 @@ class BrokerClient:
             self.on_weights(state)
 
     def _rehello(self) -> None:
+        """HELLO (again): until WELCOME comes back, requests wait in the held queue."""
         self._welcome_ok = False
-        self._connected_at = time.monotonic()
         self._send(P.HELLO, {"role": self.role, "name": self.name, "pid": os.getpid(), "host": socket.gethostname(),
                              "policy_version": self.policy_version, "capabilities": self.capabilities})
 
@@ -382,7 +380,6 @@ class BrokerClient:
             self._stop.wait(delay)
             self._backoff = min(self.backoff_max, self._backoff * 2)
             self.sock.close(0)
-            self._welcome_ok = False
             self.reconnects += 1
             self._open()
             return
