@@ -42,8 +42,11 @@ class WeightBus:
                                                f"{self.state['version']}")
         self.state = {"version": h["version"], "method": h["method"], "location": h["location"],
                       "digest": h["digest"], "step": h.get("step", h["version"]), "published_at": time.time()}
+        if h.get("broadcast"):
+            self.state["broadcast"] = h["broadcast"]
         self.store.set_meta("weights", self.state)
-        log.info("weights_published", policy_version=h["version"], method=h["method"], location=h["location"])
+        log.info("weights_published", policy_version=h["version"], method=h["method"], location=h["location"],
+                 epoch=h["broadcast"]["epoch"] if h.get("broadcast") else None)
         self.send()
         return None
 

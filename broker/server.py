@@ -444,7 +444,8 @@ class Broker:
         return {
             "run_id": self.run_id, "weights": self.bus.state, "trainer_step": self.trainer_step,
             "peers": [{"name": p.name, "role": p.role, "policy_version": p.policy_version,
-                       "last_seen_s": round(now - p.last_seen, 3), "leases": self.tasks.held_by(p.name)}
+                       "last_seen_s": round(now - p.last_seen, 3), "leases": self.tasks.held_by(p.name),
+                       "capabilities": p.info.get("capabilities", {})}
                       for p in self.peers],
             "buffer": {"depth": self.store.depth, "capacity": self.cfg.buffer.capacity,
                        "ready_groups": len(self.store.ready), "stored": c["stored"], "committed": c["committed"],

@@ -357,7 +357,9 @@ class BrokerClient:
             state = P.unpack(frames[2])
         except Exception:
             return
-        if self.weights is None or state.get("version", -1) > self.weights.get("version", -1):
+        # A version is published twice when it is broadcast (announced, then with its checkpoint): newest wins.
+        key = (state.get("version", -1), state.get("published_at", 0.0))
+        if self.weights is None or key > (self.weights.get("version", -1), self.weights.get("published_at", 0.0)):
             self._set_weights(state)
 
     def _set_weights(self, state: dict[str, Any]) -> None:

@@ -140,7 +140,7 @@ SCHEMAS: dict[str, dict[str, tuple[str, bool]]] = {
             "batch_index": ("int", False), "skip_zero_spread": ("bool", False), "wait_ms": ("int", False)},
     COMMIT: {"req": ("int", False), "step": ("int", True)},
     PUBLISH: {"req": ("int", False), "version": ("int", True), "method": ("str", True), "location": ("str", True),
-              "digest": ("str", True), "step": ("int", False)},
+              "digest": ("str", True), "step": ("int", False), "broadcast": ("map", False)},
     STATUS: {"req": ("int", False)},
     EVAL: {"req": ("int", False), "service": ("str", True), "items": ("list", True)},
     RESULT: {"job": ("int", True), "results": ("list", True)},

@@ -89,6 +89,17 @@ class Engine:
         self.generate([self.chat_prompt([{"role": "user", "content": "Hi"}])], n=2, max_tokens=4)
         log.info("engine_warmed_up", seconds=round(time.monotonic() - started, 2))
 
+    def receive_broadcast(self, announcement: dict, rank: int) -> dict:
+        """Receive the announced version by broadcast into the workers, check its digest, load it in place."""
+        started = time.monotonic()
+        with self._lock:
+            result = self.llm.collective_rpc("rlbus_receive_broadcast", args=(announcement, rank))[0]
+            self.version = announcement["version"]
+        result = {k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}
+        log.info("weights_loaded", policy_version=self.version, method="nccl", epoch=announcement["epoch"],
+                 seconds=round(time.monotonic() - started, 3), **result)
+        return result
+
     def load_checkpoint(self, path: str, digest: str, version: int) -> float:
         """Load published weights in place after checking their digest; returns seconds spent."""
         started = time.monotonic()

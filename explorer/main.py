@@ -47,6 +47,7 @@ class Explorer:
         self.batches = 0
         self.client: BrokerClient | None = None
         self.evaluated: set[int] = set()
+        self.broadcast_failed: set[int] = set()
         self.started_at = time.time()
 
     def connect(self) -> dict[str, Any]:
@@ -54,7 +55,7 @@ class Explorer:
         self.client = BrokerClient(b.address, "explorer", self.name, bus_address=self.cfg.bus_address(),
                                    heartbeat_interval_s=b.heartbeat_interval_s, liveness=b.liveness,
                                    policy_version=self.engine.version,
-                                   capabilities={"sync_methods": ["checkpoint"]},
+                                   capabilities=self._capabilities(),
                                    curve_server_key=b.curve_server_key, curve_client_key=b.curve_client_key)
         welcome = self.client.start(timeout=60)
         if self.cfg.reward.service:
@@ -70,17 +71,38 @@ class Explorer:
                  sync=welcome["sync"])
         return welcome
 
+    def _capabilities(self) -> dict[str, Any]:
+        if self.cfg.explorer.receive == "checkpoint":
+            return {"sync_methods": ["checkpoint"]}
+        from common.weights.broadcast import resolve_backend
+
+        return {"sync_methods": ["checkpoint", "nccl"],
+                "broadcast_backends": [resolve_backend(self.cfg.sync.broadcast_backend)]}
+
     def stop(self) -> None:
         self.stop_event.set()
 
     # ---- weights ----------------------------------------------------------
 
     def _load_newest(self) -> None:
+        """Bring the engine to the newest published version: by broadcast as a member of its epoch, else from
+        the checkpoint (which a broadcast version also gets, once its broadcast is over)."""
         state = self.client.weights
-        if not state or state["version"] <= self.engine.version or not state.get("location"):
+        if not state or state["version"] <= self.engine.version:
             return
-        if state["method"] != "checkpoint":
-            log.warning("weights_method_unsupported", method=state["method"], policy_version=state["version"])
+        ann = state.get("broadcast")
+        if ann and self.name in ann["ranks"] and ann["version"] not in self.broadcast_failed:
+            try:
+                self.engine.receive_broadcast(ann, ann["ranks"][self.name])
+            except Exception as exc:  # the trainer aborts the epoch; this version comes by checkpoint
+                self.broadcast_failed.add(ann["version"])
+                log.warning("broadcast_failed", policy_version=ann["version"], epoch=ann["epoch"],
+                            error=str(exc)[:300])
+            else:
+                self.client.policy_version = self.engine.version
+                bind(policy_version=self.engine.version)
+                return
+        if not state.get("location"):
             return
         try:
             self.engine.load_checkpoint(state["location"], state["digest"], state["version"])

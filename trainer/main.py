@@ -72,8 +72,14 @@ class Trainer:
                                    a.kl_coef, a.kl_kind, a.aggregation)
         run_dir = Path(cfg.run.dir)
         self.ckpt_dir = run_dir / "checkpoints"
-        self.publisher = publisher or CheckpointPublisher(run_dir / "weights", model_path,
-                                                          dtype=DTYPES[cfg.explorer.dtype])
+        if publisher is None:
+            publisher = CheckpointPublisher(run_dir / "weights", model_path, dtype=DTYPES[cfg.explorer.dtype])
+            if cfg.sync.sync_method == "nccl":
+                from trainer.broadcast import BroadcastPublisher
+
+                publisher = BroadcastPublisher(cfg, publisher, dtype=DTYPES[cfg.explorer.dtype],
+                                               device=t.device)
+        self.publisher = publisher
         self.step = 0
         self.version = 0
         self.temperature = cfg.explorer.temperature or 1.0
@@ -113,6 +119,12 @@ class Trainer:
                 return reply, time.monotonic() - started
         return None, time.monotonic() - started
 
+    def _autocast(self):
+        """Mixed precision for the forward pass (weights and optimizer stay in `model.dtype`)."""
+        t = self.cfg.trainer
+        kind = torch.device(t.device).type
+        return torch.autocast(kind, dtype=DTYPES.get(t.autocast, torch.bfloat16), enabled=t.autocast != "off")
+
     def train_on(self, batch: Batch) -> dict[str, float]:
         """One optimizer step over the batch, in micro-batches; returns metrics."""
         self.optimizer.zero_grad(set_to_none=True)
@@ -125,11 +137,13 @@ class Trainer:
             sl = slice(start, start + mb)
             ids, att = batch.input_ids[sl].to(self.cfg.trainer.device), batch.attention_mask[sl].to(self.cfg.trainer.device)
             mask = batch.loss_mask[sl].to(ids.device)
-            logp, entropy = token_logprobs(self.model, ids, att, self.temperature, with_entropy=True, positions=mask)
-            ref = None
-            if self.reference is not None:
-                with torch.no_grad():
-                    ref, _ = token_logprobs(self.reference, ids, att, self.temperature, positions=mask)
+            with self._autocast():
+                logp, entropy = token_logprobs(self.model, ids, att, self.temperature, with_entropy=True,
+                                               positions=mask)
+                ref = None
+                if self.reference is not None:
+                    with torch.no_grad():
+                        ref, _ = token_logprobs(self.reference, ids, att, self.temperature, positions=mask)
             # One update per batch: the proximal policy is the current one (detached).
             loss, m = policy_loss(logp, logp.detach(), batch.behaviour_logprobs[sl].to(ids.device),
                                   batch.advantages[sl].to(ids.device), mask, self.loss_cfg, ref)
@@ -238,6 +252,8 @@ class Trainer:
                                    policy_version=self.version, curve_server_key=b.curve_server_key,
                                    curve_client_key=b.curve_client_key)
         self.client.start(timeout=60)
+        if hasattr(self.publisher, "attach"):
+            self.publisher.attach(self.client)
         bind(peer=self.cfg.trainer.name, step=self.step, policy_version=self.version)
 
     def run(self, max_steps: int | None = None) -> int:

@@ -1,0 +1,158 @@
+"""Weight broadcast by sync epoch over real gloo groups between real processes (no vLLM here)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import signal
+import time
+
+import pytest
+import torch
+
+from common.weights.broadcast import (BroadcastError, Layout, bucket_digest, epoch_store, make_comm, serve_store,
+                                      unique_tensors)
+from tests.helpers import bcast_member
+
+TIMEOUT_S = 15.0
+
+
+def weights(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"embed.weight": torch.randn(500, 64, generator=g).to(torch.bfloat16),
+            "layer.bias": torch.randn(7, generator=g).to(torch.bfloat16),
+            "layer.weight": torch.randn(64, 64, generator=g),
+            "norm.weight": torch.randn(64, generator=g).to(torch.bfloat16)}
+
+
+def test_layout_packs_aligned_views_and_round_trips():
+    w = weights(0)
+    layout = Layout.plan(list(w.items()), bucket_bytes=20_000)
+    assert Layout.from_bytes(layout.to_bytes()) == layout
+    # The 64 000-byte embedding gets a bucket of its own; the rest share.
+    assert len(layout.bucket_sizes) == 2
+    assert all(e.offset % 64 == 0 for e in layout.entries)
+    buckets = layout.allocate()
+    layout.fill(buckets, w)
+    for name, view in layout.views(buckets):
+        assert view.dtype == w[name].dtype and torch.equal(view, w[name])
+    assert bucket_digest(buckets) != bucket_digest(layout.allocate())
+
+
+def test_unique_tensors_drop_tied_duplicates():
+    embed = torch.zeros(4, 2)
+    names = [n for n, _ in unique_tensors({"embed": embed, "norm": torch.ones(2), "lm_head": embed})]
+    assert names == ["embed", "norm"]
+
+
+class Root:
+    """The trainer's end: the run's store, one epoch, rank 0."""
+
+    def __init__(self, epoch: int, world: int, w: dict[str, torch.Tensor], versions: dict[int, dict]):
+        self.store, port = serve_store("127.0.0.1", 0, TIMEOUT_S)
+        self.layout = Layout.plan(list(w.items()), bucket_bytes=20_000)
+        self.buckets = {}
+        for version, tensors in versions.items():
+            self.buckets[version] = self.layout.allocate()
+            self.layout.fill(self.buckets[version], tensors)
+        self.ann = {"epoch": epoch, "backend": "gloo", "address": f"127.0.0.1:{port}", "world": world,
+                    "timeout_s": TIMEOUT_S,
+                    "digests": {str(v): bucket_digest(b) for v, b in self.buckets.items()}}
+        self.open(epoch, world)
+
+    def open(self, epoch: int, world: int) -> None:
+        self.ann.update(epoch=epoch, world=world)
+        self.kv, _ = epoch_store(self.ann["address"], epoch, TIMEOUT_S, store=self.store)
+        self.kv.set("layout", self.layout.to_bytes())
+
+    def comm(self):
+        return make_comm("gloo", self.kv, 0, self.ann["world"], TIMEOUT_S, "127.0.0.1")
+
+
+def spawn(target, *args):
+    proc = mp.get_context("spawn").Process(target=target, args=args, daemon=True)
+    proc.start()
+    return proc
+
+
+def test_two_members_receive_two_versions_in_one_epoch():
+    versions = {1: weights(1), 2: weights(2)}
+    root = Root(1, 3, weights(0), versions)
+    out = mp.get_context("spawn").Queue()
+    procs = [spawn(bcast_member.receive, root.ann, rank, [1, 2], out) for rank in (1, 2)]
+    try:
+        comm = root.comm()
+        for version in (1, 2):
+            for bucket in root.buckets[version]:
+                comm.broadcast(bucket)
+        got = [out.get(timeout=60) for _ in range(4)]
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+    assert sorted((g[0], g[1], g[2]) for g in got) == [("ok", 1, 1), ("ok", 1, 2), ("ok", 2, 1), ("ok", 2, 2)]
+    for _, rank, version, tensors, _, _ in got:
+        for name, t in versions[version].items():
+            assert tensors[name] == bcast_member.fingerprint(t), (rank, version, name)
+        assert root.kv.check([f"done/{version}/{rank}"])
+
+
+def test_corrupted_bytes_fail_the_digest_check():
+    root = Root(1, 2, weights(0), {1: weights(1)})
+    root.ann["digests"]["1"] = bucket_digest(root.layout.allocate())  # what the member is told to expect
+    out = mp.get_context("spawn").Queue()
+    proc = spawn(bcast_member.receive, root.ann, 1, [1], out)
+    try:
+        comm = root.comm()
+        for bucket in root.buckets[1]:
+            comm.broadcast(bucket)
+        status, _, _, message, _, _ = out.get(timeout=60)
+    finally:
+        proc.join(timeout=10)
+    assert status == "failed" and "digest" in message
+    assert not root.kv.check(["done/1/1"])
+
+
+def test_member_killed_mid_broadcast_aborts_the_epoch_within_the_timeout_and_the_next_epoch_works():
+    big = {"a": torch.randn(4096, 1024), "b": torch.randn(4096, 1024), "c": torch.randn(4096, 1024)}
+    root = Root(1, 3, big, {1: big})
+    out = mp.get_context("spawn").Queue()
+    survivor = spawn(bcast_member.receive, root.ann, 1, [1], out)
+    victim = spawn(bcast_member.receive_then_die, root.ann, 2, out)
+    failed_after = None
+    try:
+        comm = root.comm()
+        started = time.monotonic()
+        comm.broadcast(root.buckets[1][0])
+        assert out.get(timeout=30)[0] == "first_bucket"
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.join(timeout=10)
+        with pytest.raises(BroadcastError):
+            for bucket in root.buckets[1][1:]:
+                comm.broadcast(bucket)
+        failed_after = time.monotonic() - started
+        comm.close()
+        # The survivor either got everything or gave up within its own timeout: it does not hang.
+        status = out.get(timeout=TIMEOUT_S + 30)[0]
+        assert status in ("ok", "failed")
+    finally:
+        for p in (survivor, victim):
+            p.join(timeout=10)
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+    assert failed_after is not None and failed_after < TIMEOUT_S + 10
+
+    # Epoch 2 without the dead member.
+    root.open(2, 2)
+    out2 = mp.get_context("spawn").Queue()
+    proc = spawn(bcast_member.receive, root.ann, 1, [1], out2)
+    try:
+        comm = root.comm()
+        for bucket in root.buckets[1]:
+            comm.broadcast(bucket)
+        status, _, _, tensors, _, _ = out2.get(timeout=60)
+    finally:
+        proc.join(timeout=10)
+    assert status == "ok" and tensors["c"] == bcast_member.fingerprint(big["c"])

@@ -1,0 +1,43 @@
+"""A broadcast member in a plain process (no vLLM), for the broadcast tests and benchmark.
+
+`receive(ann, rank, versions, out)`: join the announced epoch, receive
+`versions` versions, put (version, fingerprints of the tensors) on `out`.
+`receive_then_die(ann, rank, out)`: receive the first bucket only, say so, and
+wait to be killed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+
+def fingerprint(tensor) -> str:
+    """A hash of a tensor's bytes (tensors themselves would be shared through memory the process frees)."""
+    import torch
+
+    return hashlib.sha1(tensor.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def receive(ann: dict, rank: int, versions: list[int], out) -> None:
+    from common.weights.broadcast import BroadcastError, Member
+
+    try:
+        member = Member(dict(ann, rank=rank))
+        for version in versions:
+            started = time.monotonic()
+            seconds = member.receive(version, ann["digests"][str(version)])
+            out.put(("ok", rank, version, {n: fingerprint(t) for n, t in member.layout.views(member.buckets)},
+                     seconds, time.monotonic() - started))
+        member.close()
+    except BroadcastError as exc:
+        out.put(("failed", rank, None, str(exc), None, None))
+
+
+def receive_then_die(ann: dict, rank: int, out) -> None:
+    from common.weights.broadcast import Member
+
+    member = Member(dict(ann, rank=rank))
+    member.comm.broadcast(member.buckets[0])
+    out.put(("first_bucket", rank))
+    time.sleep(600)

@@ -1,0 +1,157 @@
+"""The trainer's side of `sync_method: nccl`: broadcast each version to the epoch's members.
+
+For every published version, on the trainer's publishing thread:
+
+1. Membership. STATUS lists the explorers the broker has; members are those
+   that offer the run's broadcast backend, minus suspects (members that did
+   not finish the last failed broadcast and have not caught up by checkpoint
+   since). When the set changes, or the last epoch failed, a new epoch opens:
+   its layout goes into the run's store under `e{E}/`.
+2. Announce. PUBLISH `{version, method: nccl, location: "", broadcast:
+   {epoch, backend, address, world, ranks, version, digest, timeout_s}}`.
+   Members see it on the bus between rollouts and join.
+3. Broadcast every bucket from rank 0, then wait for each member's
+   `done/{version}/{rank}` key (written after its digest check). Every wait
+   is bounded by `sync.sync_timeout_s`; past it, or on any error, the epoch
+   is aborted and the next version opens a new one without the suspects.
+4. Checkpoint. The same buckets are written as `weights/v{version}/` and
+   PUBLISHed with their location: members that failed, explorers outside
+   the group, late joiners and restarts load that.
+
+With no member, a version is published as a checkpoint only.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from typing import Any
+
+import structlog
+
+from common import protocol as P
+from common.config import RunConfig
+from common.weights.broadcast import (BroadcastError, Layout, bucket_digest, epoch_store, make_comm,
+                                      resolve_backend, serve_store, unique_tensors)
+from trainer.publish import CheckpointPublisher
+
+log = structlog.get_logger()
+
+
+class BroadcastPublisher:
+    def __init__(self, cfg: RunConfig, checkpoint: CheckpointPublisher, dtype=None, device: str = "cpu"):
+        s = cfg.sync
+        self.checkpoint = checkpoint
+        self.dtype = dtype
+        self.backend = resolve_backend(s.broadcast_backend)
+        self.device = device if self.backend == "nccl" else "cpu"
+        self.timeout_s = s.sync_timeout_s
+        self.bucket_bytes = int(s.bucket_mb * (1 << 20))
+        self.host = s.rendezvous_host
+        self.store, port = serve_store(self.host, s.rendezvous_port, self.timeout_s)
+        self.address = f"{self.host}:{port}"
+        self.client = None
+        self.layout: Layout | None = None
+        self.names: dict[str, str] = {}  # state-dict name -> the name it is stored under (tied weights)
+        self.epoch = 0
+        self.members: tuple[str, ...] = ()
+        self.comm = None
+        self.suspects: dict[str, int] = {}  # member -> version it failed to receive
+        log.info("broadcast_ready", backend=self.backend, address=self.address, timeout_s=self.timeout_s)
+
+    def attach(self, client) -> None:
+        self.client = client
+
+    # ---- snapshot (training thread) ---------------------------------------
+
+    def snapshot(self, model) -> tuple[Any, list]:
+        state = model.state_dict()
+        unique = unique_tensors(state)
+        if self.layout is None:
+            import torch
+
+            dt = self.dtype
+            plan = [(n, torch.empty(t.shape, dtype=dt or t.dtype, device="meta")) for n, t in unique]
+            self.layout = Layout.plan(plan, self.bucket_bytes)
+            ptrs = {t.data_ptr(): n for n, t in unique}
+            self.names = {n: ptrs[t.data_ptr()] for n, t in state.items()}
+        buckets = self.layout.allocate(self.device)
+        self.layout.fill(buckets, dict(unique))
+        return model, buckets
+
+    # ---- publish (publishing thread) --------------------------------------
+
+    def publish(self, snapshot: tuple[Any, list], version: int, step: int) -> dict[str, Any]:
+        model, buckets = snapshot
+        members = self._members()
+        if members:
+            self._broadcast(buckets, version, step, members)
+        views = dict(self.layout.views(buckets))
+        state = {name: views[stored] for name, stored in self.names.items()}
+        result = self.checkpoint.publish((model, state), version, step)
+        result["method"] = "nccl"
+        return result
+
+    def _members(self) -> tuple[str, ...]:
+        status = self.client.request(P.STATUS, {}, timeout=self.timeout_s).header
+        names = []
+        for peer in status["peers"]:
+            caps = peer.get("capabilities") or {}
+            if peer["role"] != "explorer" or self.backend not in caps.get("broadcast_backends", []):
+                continue
+            failed_at = self.suspects.get(peer["name"])
+            if failed_at is not None:
+                if peer["policy_version"] < failed_at:
+                    continue
+                del self.suspects[peer["name"]]  # caught up by checkpoint: back in at the next epoch
+            names.append(peer["name"])
+        return tuple(sorted(names))
+
+    def _open_epoch(self, members: tuple[str, ...]) -> None:
+        self._close_comm()
+        self.epoch += 1
+        self.members = members
+        store, _ = epoch_store(self.address, self.epoch, self.timeout_s, store=self.store)
+        store.set("layout", self.layout.to_bytes())
+        self.epoch_kv = store
+        log.info("broadcast_epoch", epoch=self.epoch, members=list(members), world=len(members) + 1)
+
+    def _close_comm(self) -> None:
+        if self.comm is not None:
+            self.comm.close()
+            self.comm = None
+
+    def _broadcast(self, buckets: list, version: int, step: int, members: tuple[str, ...]) -> None:
+        if members != self.members or self.comm is None:
+            self._open_epoch(members)
+        ranks = {name: i + 1 for i, name in enumerate(members)}
+        digest = bucket_digest(buckets)
+        announcement = {"epoch": self.epoch, "backend": self.backend, "address": self.address,
+                        "world": len(members) + 1, "ranks": ranks, "version": version, "digest": digest,
+                        "timeout_s": self.timeout_s}
+        started = time.monotonic()
+        self.client.request(P.PUBLISH, {"version": version, "method": "nccl", "location": "", "digest": "",
+                                        "step": step, "broadcast": announcement}, timeout=self.timeout_s)
+        try:
+            if self.comm is None:
+                self.comm = make_comm(self.backend, self.epoch_kv, 0, len(members) + 1, self.timeout_s, self.host)
+            joined = time.monotonic()
+            for bucket in buckets:
+                self.comm.broadcast(bucket)
+            sent = time.monotonic()
+            keys = [f"done/{version}/{r}" for r in ranks.values()]
+            self.epoch_kv.wait(keys, datetime.timedelta(seconds=max(0.1, self.timeout_s - (sent - started))))
+        except (BroadcastError, RuntimeError) as exc:
+            missing = [n for n, r in ranks.items() if not self.epoch_kv.check([f"done/{version}/{r}"])]
+            for name in missing:
+                self.suspects[name] = version
+            self._close_comm()
+            log.warning("broadcast_aborted", epoch=self.epoch, policy_version=version, error=str(exc)[:300],
+                        unfinished=missing, seconds=round(time.monotonic() - started, 3))
+            return
+        log.info("broadcast_done", epoch=self.epoch, policy_version=version, members=len(members),
+                 bytes=self.layout.nbytes, rendezvous_s=round(joined - started, 3),
+                 send_s=round(sent - joined, 3), seconds=round(time.monotonic() - started, 3))
+
+    def close(self) -> None:
+        self._close_comm()
