@@ -53,6 +53,7 @@ class Engine:
         self.tokenizer = self.llm.get_tokenizer()
         self.model = model
         self.version = version
+        self.last_load: dict = {}  # how the current version arrived: {version, method, seconds}
         self._lock = threading.Lock()
         log.info("engine_started", model=model, dtype=dtype, seconds=round(time.monotonic() - started, 2))
 
@@ -96,8 +97,10 @@ class Engine:
             result = self.llm.collective_rpc("rlbus_receive_broadcast", args=(announcement, rank))[0]
             self.version = announcement["version"]
         result = {k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}
+        seconds = round(time.monotonic() - started, 3)
+        self.last_load = {"version": self.version, "method": "nccl", "seconds": seconds}
         log.info("weights_loaded", policy_version=self.version, method="nccl", epoch=announcement["epoch"],
-                 seconds=round(time.monotonic() - started, 3), **result)
+                 seconds=seconds, **result)
         return result
 
     def load_checkpoint(self, path: str, digest: str, version: int) -> float:
@@ -111,5 +114,7 @@ class Engine:
             counts = self.llm.collective_rpc("rlbus_load_checkpoint", args=(path,))
             self.version = version
         seconds = time.monotonic() - started
-        log.info("weights_loaded", policy_version=version, path=path, tensors=counts[0], seconds=round(seconds, 3))
+        self.last_load = {"version": version, "method": "checkpoint", "seconds": round(seconds, 3)}
+        log.info("weights_loaded", policy_version=version, method="checkpoint", path=path, tensors=counts[0],
+                 seconds=round(seconds, 3))
         return seconds

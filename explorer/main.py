@@ -74,10 +74,14 @@ class Explorer:
     def _capabilities(self) -> dict[str, Any]:
         if self.cfg.explorer.receive == "checkpoint":
             return {"sync_methods": ["checkpoint"]}
-        from common.weights.broadcast import resolve_backend
+        from common.weights.broadcast import resolve_backend, unavailable
 
-        return {"sync_methods": ["checkpoint", "nccl"],
-                "broadcast_backends": [resolve_backend(self.cfg.sync.broadcast_backend)]}
+        backend = resolve_backend(self.cfg.sync.broadcast_backend)
+        reason = unavailable(backend)
+        if reason:
+            log.warning("broadcast_unavailable", backend=backend, reason=reason)
+            return {"sync_methods": ["checkpoint"]}
+        return {"sync_methods": ["checkpoint", "nccl"], "broadcast_backends": [backend]}
 
     def stop(self) -> None:
         self.stop_event.set()

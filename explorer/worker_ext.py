@@ -47,7 +47,7 @@ class WeightSyncExtension:
         from common.weights.broadcast import Member
 
         member = getattr(self, "_rlbus_member", None)
-        if member is not None and member.epoch != announcement["epoch"]:
+        if member is not None and member.key != (announcement["address"], announcement["epoch"]):
             member.close()
             member = self._rlbus_member = None
         started = time.monotonic()

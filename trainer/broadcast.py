@@ -32,7 +32,7 @@ import structlog
 from common import protocol as P
 from common.config import RunConfig
 from common.weights.broadcast import (BroadcastError, Layout, bucket_digest, epoch_store, make_comm,
-                                      resolve_backend, serve_store, unique_tensors)
+                                      resolve_backend, serve_store, unavailable, unique_tensors)
 from trainer.publish import CheckpointPublisher
 
 log = structlog.get_logger()
@@ -44,6 +44,9 @@ class BroadcastPublisher:
         self.checkpoint = checkpoint
         self.dtype = dtype
         self.backend = resolve_backend(s.broadcast_backend)
+        reason = unavailable(self.backend)
+        if reason:
+            raise ValueError(f"sync.sync_method=nccl: {reason}")
         self.device = device if self.backend == "nccl" else "cpu"
         self.timeout_s = s.sync_timeout_s
         self.bucket_bytes = int(s.bucket_mb * (1 << 20))

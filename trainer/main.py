@@ -271,6 +271,8 @@ class Trainer:
                 self._check_publishes(wait=True)
             finally:
                 self.client.close(bye=True)
+                if hasattr(self.publisher, "close"):
+                    self.publisher.close()
         log.info("trainer_stopped", step=self.step, policy_version=self.version)
         return done
 

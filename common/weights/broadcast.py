@@ -260,17 +260,28 @@ def make_comm(backend: str, store, rank: int, world: int, timeout_s: float, host
     return cls(store, rank, world, timeout_s, host)
 
 
+def unavailable(backend: str) -> str | None:
+    """Why `backend` cannot run in this process, or None when it can."""
+    if backend == "gloo":
+        return None
+    if backend != "nccl":
+        return f"unknown broadcast backend {backend!r}; expected one of {sorted(BACKENDS)}"
+    try:
+        from cupy.cuda import nccl  # noqa: F401
+    except ImportError as exc:
+        return f"the nccl backend needs cupy with NCCL (pip install cupy-cuda12x nvidia-nccl-cu12): {exc}"
+    import torch
+
+    if not torch.cuda.is_available():
+        return "the nccl backend needs a CUDA device; use broadcast_backend gloo on CPU"
+    return None
+
+
 def resolve_backend(name: str) -> str:
     """`auto`: nccl where CUDA and cupy are present, else gloo."""
     if name != "auto":
         return name
-    try:
-        import cupy  # noqa: F401
-        import torch
-
-        return "nccl" if torch.cuda.is_available() else "gloo"
-    except ImportError:
-        return "gloo"
+    return "nccl" if unavailable("nccl") is None else "gloo"
 
 
 # ---- the member's side ------------------------------------------------------
@@ -281,6 +292,7 @@ class Member:
 
     def __init__(self, ann: dict[str, Any], device: str | None = None):
         self.epoch = ann["epoch"]
+        self.key = (ann["address"], ann["epoch"])  # epochs count from 1 again when a trainer restarts
         self.rank = ann["rank"]
         self.timeout_s = ann["timeout_s"]
         host = local_address_towards(ann["address"].rpartition(":")[0])

@@ -41,3 +41,31 @@ def receive_then_die(ann: dict, rank: int, out) -> None:
     member.comm.broadcast(member.buckets[0])
     out.put(("first_bucket", rank))
     time.sleep(600)
+
+
+def victim_main(broker: str, bus: str, name: str, marker: str) -> None:
+    """A broadcast-capable explorer peer without an engine: joins the first epoch naming it, receives one
+    bucket, touches `marker`, then waits to be killed."""
+    from pathlib import Path
+
+    from common.client import BrokerClient
+    from common.weights.broadcast import Member
+
+    client = BrokerClient(broker, "explorer", name, bus_address=bus, heartbeat_interval_s=0.2,
+                          capabilities={"sync_methods": ["checkpoint", "nccl"], "broadcast_backends": ["gloo"]})
+    client.start(10)
+    while True:
+        ann = (client.weights or {}).get("broadcast")
+        if ann and name in ann["ranks"]:
+            break
+        time.sleep(0.02)
+    member = Member(dict(ann, rank=ann["ranks"][name]))
+    member.comm.broadcast(member.buckets[0])
+    Path(marker).touch()
+    time.sleep(600)
+
+
+if __name__ == "__main__":
+    import sys
+
+    victim_main(*sys.argv[1:5])

@@ -1,0 +1,122 @@
+"""One workload in each mode, components pinned to their own cores: steps per hour, idle shares, staleness.
+
+    .venv/bin/python benchmarks/modes.py [--quick] [--steps N] [--model smollm2-135m]
+
+Each mode is a real `rlbus up` run of the default task (SmolLM2-135M,
+"a + b", 4 prompts x 8 samples per step) from a preset in configs/modes/,
+with the trainer on core 0 and the explorers on core 1. The asynchronous
+modes train one batch's worth of groups per step (no `fill_batch`), so a
+step is the same work in every mode. From the logs of each run:
+
+- steps_per_hour over the steady part (the first `warmup` steps dropped);
+- trainer_idle: share of step time the trainer waited for data;
+- explorer_idle: share of the explorers' wall time outside rollouts;
+- staleness_mean: mean (step - policy version) of the trained samples;
+- R and T: median rollout seconds per explorer batch and median training
+  seconds per step (compute + publish), both from the synchronous run.
+
+For the asynchronous modes, speedup over synchronous sits beside the bound
+(R + T) / max(R, T) of a two-stage pipeline. The last line is one JSON
+object: `modes`, `async_speedup`, `bound`, `speedup_to_bound` (best
+asynchronous mode), `R`, `T`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.harness import REPO, free_port  # noqa: E402
+
+MODES = ["synchronous", "one_step_off_policy", "fully_async", "multi_explorer_async"]
+
+
+def run_mode(mode: str, steps: int, model: str, root: Path) -> Path:
+    run_dir = root / mode
+    sets = [f"run.dir={run_dir}", f"model.path={model}", f"broker.port={free_port()}",
+            f"broker.pub_port={free_port()}", f"trainer.total_steps={steps}", "trainer.checkpoint_every=0",
+            "explorer.eval_every=0", "algorithm.fill_batch=false", "data.batch_tasks=4", "data.repeat=8",
+            "explorer.tasks_per_lease=4", "explorer.max_tokens=24", "trainer.lr=5e-6", "trainer.micro_batch=8",
+            "logging.format=json", "launch.status_interval_s=30"]
+    cmd = [sys.executable, "-m", "common.cli", "up", str(REPO / "configs" / "modes" / f"{mode}.yaml")]
+    cmd += [x for s in sets for x in ("--set", s)]
+    started = time.monotonic()
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"{mode}: rlbus up exited with {done.returncode}: {done.stderr[-2000:]}")
+    print(f"{mode}: ran {steps} steps in {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
+    return run_dir
+
+
+def events(run_dir: Path, stem: str, event: str) -> list[dict]:
+    path = run_dir / "logs" / f"{stem}.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines() if f'"{event}"' in x]
+
+
+def measure(run_dir: Path, warmup: int) -> dict:
+    steps = sorted(events(run_dir, "trainer", "train_step"), key=lambda e: e["step"])
+    steady = steps[warmup:]
+    span = steady[-1]["ts"] - (steady[0]["ts"] - steady[0]["step_s"])
+    staleness = [(int(k), n) for s in steady for k, n in s["staleness"].items()]
+    samples = sum(n for _, n in staleness)
+    out = {"steps": len(steady), "seconds": round(span, 1), "steps_per_hour": round(len(steady) / span * 3600, 1),
+           "trainer_idle": round(sum(s["wait_s"] for s in steady) / sum(s["step_s"] for s in steady), 3),
+           "staleness_mean": round(sum(k * n for k, n in staleness) / samples, 3) if samples else None,
+           "T": round(statistics.median(s["compute_s"] + s["publish_s"] for s in steady), 3)}
+    t0, t1 = steady[0]["ts"] - steady[0]["step_s"], steady[-1]["ts"]
+    idle, rollouts = [], []
+    for log in sorted((run_dir / "logs").glob("explorer-*.jsonl")):
+        batches = [b for b in events(run_dir, log.stem, "explorer_batch") if t0 <= b["ts"] - b["rollout_s"] < t1]
+        busy = sum(min(b["ts"], t1) - (b["ts"] - b["rollout_s"]) for b in batches)
+        idle.append(1 - busy / (t1 - t0))
+        rollouts += [b["rollout_s"] for b in batches]
+    out["explorer_idle"] = round(statistics.mean(idle), 3) if idle else None
+    out["R"] = round(statistics.median(rollouts), 3) if rollouts else None
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="8 steps per mode (under 10 minutes here)")
+    parser.add_argument("--steps", type=int, default=0, help="steps per mode (default 20; 8 with --quick)")
+    parser.add_argument("--warmup", type=int, default=2, help="steps dropped from each run's figures")
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--keep", action="store_true", help="keep the run directories (printed)")
+    args = parser.parse_args()
+    steps = args.steps or (8 if args.quick else 20)
+    root = Path(tempfile.mkdtemp(prefix="rlbus-modes-"))
+    results = {}
+    for mode in args.modes.split(","):
+        results[mode] = measure(run_mode(mode, steps, args.model, root), args.warmup)
+        print(f"{mode}: {json.dumps(results[mode])}", flush=True)
+    summary: dict = {"modes": results}
+    sync = results.get("synchronous")
+    if sync:
+        r, t = sync["R"], sync["T"]
+        bound = (r + t) / max(r, t)
+        speedups = {m: round(v["steps_per_hour"] / sync["steps_per_hour"], 3) for m, v in results.items()
+                    if m != "synchronous"}
+        best = max(speedups, key=speedups.get) if speedups else None
+        summary.update(R=r, T=t, bound=round(bound, 3), speedups=speedups, best_async_mode=best,
+                       async_speedup=speedups.get(best), speedup_to_bound=round(speedups[best] / bound, 3)
+                       if best else None)
+    if args.keep:
+        summary["run_dirs"] = str(root)
+    else:
+        import shutil
+
+        shutil.rmtree(root, ignore_errors=True)
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""The cupy NCCL backend on GPUs: the same broadcast and membership code as gloo, GPU to GPU.
+
+Run on a host with two NVIDIA GPUs, after `make test` has installed the
+engine-gpu extra (vllm, cupy-cuda12x, nvidia-nccl-cu12):
+
+    .venv/bin/python -m pytest -m gpu tests/test_gpu_broadcast.py
+
+Here, without a GPU, every test skips and says why.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+
+def _gpus() -> int:
+    try:
+        import torch
+        from cupy.cuda import nccl  # noqa: F401
+    except ImportError:
+        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+needs_two_gpus = pytest.mark.skipif(_gpus() < 2, reason="needs two CUDA GPUs and cupy with NCCL (none here)")
+
+
+def _member(ann: dict, rank: int, device: str, out) -> None:
+    import torch
+
+    from common.weights.broadcast import Member
+    from tests.helpers.bcast_member import fingerprint
+
+    torch.cuda.set_device(device)
+    member = Member(dict(ann, rank=rank), device=device)
+    member.receive(ann["version"], ann["digest"])
+    out.put({n: fingerprint(t.cpu()) for n, t in member.layout.views(member.buckets)})
+    member.close()
+
+
+@needs_two_gpus
+def test_nccl_broadcast_between_two_gpus_checks_the_digest():
+    import torch
+
+    from common.weights.broadcast import Layout, bucket_digest, epoch_store, make_comm, serve_store
+    from tests.helpers.bcast_member import fingerprint
+
+    torch.cuda.set_device("cuda:0")
+    w = {"a": torch.randn(1024, 1024, device="cuda:0", dtype=torch.bfloat16),
+         "b": torch.randn(333, device="cuda:0")}
+    layout = Layout.plan(list(w.items()), bucket_bytes=1 << 20)
+    buckets = layout.allocate("cuda:0")
+    layout.fill(buckets, w)
+    store, port = serve_store("127.0.0.1", 0, 60)
+    kv, _ = epoch_store(f"127.0.0.1:{port}", 1, 60, store=store)
+    kv.set("layout", layout.to_bytes())
+    ann = {"epoch": 1, "backend": "nccl", "address": f"127.0.0.1:{port}", "world": 2, "timeout_s": 60,
+           "version": 1, "digest": bucket_digest(buckets)}
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_member, args=(ann, 1, "cuda:1", out), daemon=True)
+    proc.start()
+    try:
+        comm = make_comm("nccl", kv, 0, 2, 60, "127.0.0.1")
+        for bucket in buckets:
+            comm.broadcast(bucket)
+        got = out.get(timeout=120)
+        comm.close()
+    finally:
+        proc.join(30)
+        if proc.is_alive():
+            os.kill(proc.pid, signal.SIGKILL)
+    assert got == {n: fingerprint(t.cpu()) for n, t in w.items()}
+    assert kv.check(["done/1/1"])
+
+
+@needs_two_gpus
+def test_cuda_vllm_member_generates_with_broadcast_weights(broker_factory, clients, tmp_path):
+    """The trainer's publisher on cuda:1 broadcasts into a CUDA vLLM engine on cuda:0 (the explorer)."""
+    import threading
+    import time
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from common.config import load_config
+    from explorer.engine import Engine
+    from explorer.main import Explorer
+    from explorer.models import make_tiny, resolve_model
+    from tests.explorer.test_explorer import explorer_config
+    from trainer.broadcast import BroadcastPublisher
+    from trainer.publish import CheckpointPublisher
+
+    base = str(make_tiny(tmp_path / "tiny", resolve_model("smollm2-135m")))
+    engine = Engine(base, dtype="bfloat16", memory_fraction=0.3)
+    b = broker_factory("sync.sync_style=async", "sync.max_staleness=100", "data.repeat=4", "data.batch_tasks=2")
+    trainer = clients(b, "trainer", "tr")
+    cfg = load_config(None, ["sync.sync_method=nccl", "sync.broadcast_backend=nccl", "sync.sync_timeout_s=60"],
+                      environ={})
+    pub = BroadcastPublisher(cfg, CheckpointPublisher(tmp_path / "weights", base, dtype=torch.bfloat16),
+                             dtype=torch.bfloat16, device="cuda:1")
+    pub.attach(trainer)
+    ex = Explorer(explorer_config(b, "sync.sync_style=async", "sync.broadcast_backend=nccl"), engine, name="gpu")
+    thread = threading.Thread(target=ex.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 120
+        while "gpu" not in {p["name"] for p in trainer.request("STATUS").header["peers"]}:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        model = AutoModelForCausalLM.from_pretrained(make_tiny(tmp_path / "v1", base, seed=1)).to("cuda:1")
+        trainer.request("PUBLISH", pub.publish(pub.snapshot(model), 1, 0))
+        deadline = time.monotonic() + 60
+        while engine.version < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert engine.last_load["method"] == "nccl"
+    finally:
+        ex.stop()
+        thread.join(60)
+        pub.close()
