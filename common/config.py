@@ -225,6 +225,10 @@ class TrainerConfig(Section):
     """AdamW weight decay."""
     warmup_steps: int = Field(0, ge=0)
     """Linear learning-rate warm-up."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """After warm-up: keep lr, or decay it to lr x min_lr_ratio at total_steps (linearly or along a cosine)."""
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    """Where a decaying schedule ends, as a fraction of lr."""
     grad_clip: float = Field(1.0, gt=0)
     """Clip the gradient norm to this."""
     total_steps: int = Field(100, ge=0)

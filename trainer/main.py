@@ -21,11 +21,13 @@ One `train_step` log line per step carries the canonical metrics.
 
 from __future__ import annotations
 
+import math
 import random
 import signal
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -51,6 +53,18 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def lr_factor(t, step: int) -> float:
+    """The multiple of `trainer.lr` used at optimizer step `step`: warm-up, then the schedule."""
+    warm = t.warmup_steps
+    if step < warm:
+        return (step + 1) / warm
+    if t.lr_schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warm) / max(1, t.total_steps - warm))
+    shape = 1 - progress if t.lr_schedule == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
+    return t.min_lr_ratio + (1 - t.min_lr_ratio) * shape
+
+
 class Trainer:
     def __init__(self, cfg: RunConfig, model_path: str, publisher: Publisher | None = None):
         from transformers import AutoTokenizer
@@ -66,8 +80,7 @@ class Trainer:
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
         self.vocab = self.model.config.vocab_size
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
-        warm = max(1, t.warmup_steps)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warm))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, partial(lr_factor, t))
         self.loss_cfg = LossConfig(a.clip_low, a.clip_high, a.dual_clip, a.is_mode, a.is_cap, a.is_low, a.is_high,
                                    a.kl_coef, a.kl_kind, a.aggregation)
         run_dir = Path(cfg.run.dir)

@@ -97,3 +97,20 @@ def test_kl_term_is_added_with_its_coefficient():
     loss, m = policy_loss(t(-1.0), t(-1.0), t(-1.0), torch.tensor([0.0]), torch.ones(1, 1),
                           LossConfig(kl_coef=0.1, kl_kind="k1"), logp_ref=t(-1.5))
     assert loss.item() == pytest.approx(0.05) and m["kl"] == pytest.approx(0.5)
+
+
+def test_lr_schedules_warm_up_then_keep_or_decay_to_the_floor():
+    from common.config import load_config
+    from trainer.main import lr_factor
+
+    def factors(*sets, steps=12):
+        t = load_config(None, ["trainer.total_steps=10", *sets], environ={}).trainer
+        return [round(lr_factor(t, s), 4) for s in range(steps)]
+
+    assert factors() == [1.0] * 12
+    assert factors("trainer.warmup_steps=4")[:5] == [0.25, 0.5, 0.75, 1.0, 1.0]
+    assert factors("trainer.lr_schedule=linear", "trainer.warmup_steps=2") == [
+        0.5, 1.0, 1.0, 0.875, 0.75, 0.625, 0.5, 0.375, 0.25, 0.125, 0.0, 0.0]
+    cosine = factors("trainer.lr_schedule=cosine", "trainer.min_lr_ratio=0.1")
+    assert cosine[0] == 1.0 and cosine[5] == 0.55 and cosine[10:] == [0.1, 0.1]
+    assert all(a >= b for a, b in zip(cosine, cosine[1:]))
