@@ -82,6 +82,9 @@ class AlgorithmConfig(Section):
     """Drop groups whose rewards are all equal before compute; default: on for group-relative advantages."""
     fill_batch: bool = False
     """async: wait until the batch holds `batch_tasks` informative groups (dynamic sampling); lockstep trains each batch's informative groups."""
+    informative_wait_s: float = Field(60.0, gt=0)
+    """async: how long a step waits for informative groups before it takes what there is, all-equal ones
+    included (they add nothing to the update, but the step counts: a run whose reward has saturated still ends)."""
     clip_low: float = Field(0.2, ge=0)
     """PPO clip: ratio floor 1 - clip_low."""
     clip_high: float = Field(0.2, ge=0)

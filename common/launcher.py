@@ -78,13 +78,15 @@ class Launcher:
                 "--set", "logging.format=json", "--set", f"logging.file={self.logs / (child.name + '.jsonl')}"]
         out = open(self.logs / f"{child.name}.out", "ab")
         cpus = child.cpus
+        launcher = os.getpid()
 
-        def pin() -> None:
+        def prepare() -> None:
+            _terminate_with(launcher)
             if cpus:
                 os.sched_setaffinity(0, cpus)
 
         child.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                      start_new_session=True, preexec_fn=pin)
+                                      start_new_session=True, preexec_fn=prepare)
         out.close()
         log.info("component_started", component=child.name, pid=child.proc.pid, cpus=sorted(cpus) or None)
 
@@ -249,6 +251,19 @@ class Launcher:
             self.exit_code = 1
             return True
         return False
+
+
+def _terminate_with(parent: int) -> None:
+    """In a child, before exec: get SIGTERM when `parent` dies, even by SIGKILL (Linux PR_SET_PDEATHSIG), so a
+    killed `rlbus up` leaves no component running."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # it died before the call
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _wait_group_gone(pgid: int, timeout: float) -> None:

@@ -20,7 +20,7 @@ from tests.conftest import REPO, free_port
 STEPS = 8
 
 
-def run_preset(preset: str, tiny_model: str, tmp_path: Path, *extra: str) -> tuple[Path, dict]:
+def run_preset(preset: str, tiny_model: str, tmp_path: Path, *extra: str, timeout: float = 240) -> tuple[Path, dict]:
     run_dir = tmp_path / "run"
     sets = [f"run.dir={run_dir}", f"model.path={tiny_model}", f"broker.port={free_port()}",
             f"broker.pub_port={free_port()}", "broker.heartbeat_interval_s=0.5", "data.repeat=4",
@@ -30,8 +30,14 @@ def run_preset(preset: str, tiny_model: str, tmp_path: Path, *extra: str) -> tup
             'launch.trainer_cpus=""', "launch.explorer_cpus=[]", "logging.format=json", *extra]
     preset_path = REPO / "configs" / "modes" / f"{preset}.yaml"
     args = [sys.executable, "-m", "common.cli", "up", str(preset_path)] + [x for s in sets for x in ("--set", s)]
-    done = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
+    up = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = up.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        up.terminate()  # the launcher stops its components
+        _, err = up.communicate(timeout=120)
+        raise AssertionError(f"{preset} did not finish within {timeout} s: {err[-3000:]}") from None
+    assert up.returncode == 0, err[-3000:]
     cfg = load_config(preset_path, sets, environ={})
     return run_dir, {"cfg": cfg}
 

@@ -63,3 +63,46 @@ def test_up_runs_broker_trainer_and_explorer_to_the_end(tiny_model, tmp_path):
     assert [v for _, v, _ in summary["accuracy_by_time"]][0] == 0
     assert summary["final_version"] == 3, "the last weights are evaluated on the way out"
     assert summary["reward_last_steps"] is not None
+
+
+def test_components_stop_when_the_launcher_is_killed(tiny_model, tmp_path):
+    """SIGKILL of `rlbus up` itself (it cannot clean up) still leaves no component running."""
+    import signal
+    import time
+
+    sets = [f"run.dir={tmp_path / 'run'}", f"model.path={tiny_model}", f"broker.port={free_port()}",
+            f"broker.pub_port={free_port()}", "launch.explorers=0", "logging.format=json"]
+    args = [sys.executable, "-m", "common.cli", "up"] + [x for s in sets for x in ("--set", s)]
+    up = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    pids = []
+    try:
+        for line in up.stderr:
+            if '"component_started"' in line:
+                pids.append(json.loads(line)["pid"])
+            if len(pids) == 2:
+                break
+        assert len(pids) == 2, "broker and trainer did not start"
+        up.kill()
+        up.wait(10)
+        deadline = time.monotonic() + 60
+        alive = pids
+        while alive and time.monotonic() < deadline:
+            alive = [p for p in pids if _exists(p)]
+            time.sleep(0.2)
+        assert not alive, f"components {alive} outlived the launcher"
+    finally:
+        for pid in pids:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is gone for our purposes: its parent (the dead launcher) was reaped, init reaps it.
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"

@@ -130,6 +130,13 @@ class Trainer:
             reply = self.client.request(P.FETCH, header, timeout=c.trainer.fetch_wait_s + 30)
             if reply.command == P.BATCH:
                 return reply, time.monotonic() - started
+            waited = time.monotonic() - started
+            if c.sync.sync_style == "async" and header["skip_zero_spread"] and waited > a.informative_wait_s:
+                header.update(min_groups=1, skip_zero_spread=False)
+                log.warning("informative_wait_over", waited_s=round(waited, 1), depth=reply.header.get("depth"),
+                            skipped=reply.header.get("skipped"),
+                            hint="no informative group arrived in algorithm.informative_wait_s; taking all-equal "
+                                 "groups (the reward may have saturated)")
         return None, time.monotonic() - started
 
     def _autocast(self):
