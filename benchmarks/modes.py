@@ -4,8 +4,10 @@
 
 Each mode is a real `rlbus up` run of the default task (SmolLM2-135M,
 "a + b", 4 prompts x 8 samples per step) from a preset in configs/modes/,
-with the trainer on core 0 and the explorers on core 1. The asynchronous
-modes train one batch's worth of groups per step (no `fill_batch`), so a
+with the trainer on core 0 and the explorers on core 1. Every step trains
+one batch's worth of groups, all-equal ones included (no `fill_batch`, no
+zero-spread filter: otherwise the asynchronous modes, which pick the
+informative groups out of more rollouts, would train more per step), so a
 step is the same work in every mode. From the logs of each run:
 
 - steps_per_hour over the steady part (the first `warmup` steps dropped);
@@ -45,6 +47,7 @@ def run_mode(mode: str, steps: int, model: str, root: Path) -> Path:
             f"broker.pub_port={free_port()}", f"trainer.total_steps={steps}", "trainer.checkpoint_every=0",
             "explorer.eval_every=0", "algorithm.fill_batch=false", "data.batch_tasks=4", "data.repeat=8",
             "explorer.tasks_per_lease=4", "explorer.max_tokens=24", "trainer.lr=5e-6", "trainer.micro_batch=8",
+            "algorithm.skip_zero_spread=false", "trainer.autocast=bfloat16", "trainer.threads=1",
             "logging.format=json", "launch.status_interval_s=30"]
     cmd = [sys.executable, "-m", "common.cli", "up", str(REPO / "configs" / "modes" / f"{mode}.yaml")]
     cmd += [x for s in sets for x in ("--set", s)]
@@ -85,14 +88,14 @@ def measure(run_dir: Path, warmup: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="8 steps per mode (under 10 minutes here)")
-    parser.add_argument("--steps", type=int, default=0, help="steps per mode (default 20; 8 with --quick)")
+    parser.add_argument("--quick", action="store_true", help="6 steps per mode (under 10 minutes here)")
+    parser.add_argument("--steps", type=int, default=0, help="steps per mode (default 20; 6 with --quick)")
     parser.add_argument("--warmup", type=int, default=2, help="steps dropped from each run's figures")
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--keep", action="store_true", help="keep the run directories (printed)")
     args = parser.parse_args()
-    steps = args.steps or (8 if args.quick else 20)
+    steps = args.steps or (6 if args.quick else 20)
     root = Path(tempfile.mkdtemp(prefix="rlbus-modes-"))
     results = {}
     for mode in args.modes.split(","):
