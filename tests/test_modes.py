@@ -118,3 +118,22 @@ def test_interval_and_offset_sync_where_the_diagram_does(tiny_model, tmp_path, p
     waits = [e["need_version"] for e in events(run_dir, "explorer-0", "waiting_for_weights")]
     assert all(v % interval == 0 and v > 0 for v in waits)
     check_staleness(run_dir, offset + interval - 1)
+
+
+def test_multi_explorer_async_by_broadcast(tiny_model, tmp_path):
+    """The whole loop with sync_method nccl (gloo here): each version reaches every member of its epoch by
+    broadcast; explorers join the group as they come (each explorer's vLLM engine starts at its own pace)."""
+    run_dir, info = run_preset("multi_explorer_async", tiny_model, tmp_path, "sync.sync_method=nccl",
+                               "sync.broadcast_backend=gloo", "sync.sync_timeout_s=60")
+    members = {e["epoch"]: e["members"] for e in events(run_dir, "trainer", "broadcast_epoch")}
+    done = events(run_dir, "trainer", "broadcast_done")
+    assert len(done) == STEPS and not events(run_dir, "trainer", "broadcast_aborted")
+    loads = {name: {(e["policy_version"], e.get("method")) for e in events(run_dir, name, "weights_loaded")}
+             for name in explorer_names(run_dir)}
+    for e in done:
+        for name in members[e["epoch"]]:
+            assert (e["policy_version"], "nccl") in loads[name], (name, e["policy_version"])
+    assert all(name in m for m in [sum(members.values(), [])] for name in loads), "an explorer never joined"
+    for name in loads:
+        assert not events(run_dir, name, "broadcast_failed")
+    check_staleness(run_dir, info["cfg"].sync.max_staleness)
