@@ -59,7 +59,19 @@ def start_explorer(ex: Explorer) -> threading.Thread:
     return thread
 
 
-def restore(engine, tiny_model: str) -> None:
+def tear_down(ex: Explorer, thread: threading.Thread | None, proc: subprocess.Popen, pub, engine,
+              tiny_model: str) -> None:
+    """Stop the in-process explorer, kill the other process's group (its engine too), and leave the shared
+    engine at version 0 on the original weights."""
+    ex.stop()
+    if thread is not None:
+        thread.join(60)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(10)
+    pub.close()
     engine.load_checkpoint(tiny_model, weights_digest(tiny_model), 0)
 
 
@@ -118,16 +130,7 @@ def test_mixed_fleet_late_joiner_gets_the_checkpoint_then_the_broadcast(broker_f
         want = model2.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0, len(prompt):].tolist()
         assert got == want[:len(got)]
     finally:
-        ex.stop()
-        if thread is not None:
-            thread.join(60)
-        try:
-            os.killpg(files.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        files.wait(10)
-        pub.close()
-        restore(engine, tiny_model)
+        tear_down(ex, thread, files, pub, engine, tiny_model)
 
 
 def test_member_killed_mid_broadcast_does_not_hang_the_trainer(broker_factory, clients, engine, tiny_model, tmp_path):
@@ -168,12 +171,4 @@ def test_member_killed_mid_broadcast_does_not_hang_the_trainer(broker_factory, c
         assert engine.last_load["method"] == "nccl"
         trainer.request(P.PUBLISH, state)
     finally:
-        ex.stop()
-        thread.join(60)
-        try:
-            os.killpg(victim.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        victim.wait(10)
-        pub.close()
-        restore(engine, tiny_model)
+        tear_down(ex, thread, victim, pub, engine, tiny_model)
