@@ -76,6 +76,19 @@ def spawn(target, *args):
     return proc
 
 
+def receive_alone(root: Root, version: int, timeout: float) -> tuple:
+    """Rank 1, in a process of its own, receives `version` whole in the root's current epoch; its report."""
+    out = mp.get_context("spawn").Queue()
+    proc = spawn(bcast_member.receive, root.ann, 1, [version], out)
+    try:
+        comm = root.comm()
+        for bucket in root.buckets[version]:
+            comm.broadcast(bucket)
+        return out.get(timeout=timeout)
+    finally:
+        proc.join(timeout=10)
+
+
 def test_two_members_receive_two_versions_in_one_epoch():
     versions = {1: weights(1), 2: weights(2)}
     root = Root(1, 3, weights(0), versions)
@@ -102,15 +115,7 @@ def test_two_members_receive_two_versions_in_one_epoch():
 def test_corrupted_bytes_fail_the_digest_check():
     root = Root(1, 2, weights(0), {1: weights(1)})
     root.ann["digests"]["1"] = bucket_digest(root.layout.allocate())  # what the member is told to expect
-    out = mp.get_context("spawn").Queue()
-    proc = spawn(bcast_member.receive, root.ann, 1, [1], out)
-    try:
-        comm = root.comm()
-        for bucket in root.buckets[1]:
-            comm.broadcast(bucket)
-        status, _, _, message, _, _ = out.get(timeout=60)
-    finally:
-        proc.join(timeout=10)
+    status, _, _, message, _, _ = receive_alone(root, 1, timeout=60)
     assert status == "failed" and "digest" in message
     assert not root.kv.check(["done/1/1"])
 
@@ -146,13 +151,5 @@ def test_member_killed_mid_broadcast_aborts_the_epoch_within_the_timeout_and_the
 
     # Epoch 2 without the dead member.
     root.open(2, 2)
-    out2 = mp.get_context("spawn").Queue()
-    proc = spawn(bcast_member.receive, root.ann, 1, [1], out2)
-    try:
-        comm = root.comm()
-        for bucket in root.buckets[1]:
-            comm.broadcast(bucket)
-        status, _, _, tensors, _, _ = out2.get(timeout=120)
-    finally:
-        proc.join(timeout=10)
+    status, _, _, tensors, _, _ = receive_alone(root, 1, timeout=120)
     assert status == "ok" and tensors["c"] == bcast_member.fingerprint(big["c"])
