@@ -31,7 +31,7 @@ from typing import Any, Iterator
 
 import msgpack
 
-from common.weights.digest import _hasher, default_algorithm
+from common.weights.digest import hasher, default_algorithm
 
 ALIGN = 64  # bytes; every tensor view starts on a multiple of this
 
@@ -116,7 +116,7 @@ def unique_tensors(state: dict[str, Any]) -> list[tuple[str, Any]]:
 
 def bucket_digest(buckets: list, algorithm: str | None = None) -> str:
     algorithm = algorithm or default_algorithm()
-    h = _hasher(algorithm)
+    h = hasher(algorithm)
     for b in buckets:
         h.update(memoryview(b.cpu().numpy()))
     return f"{algorithm}:{h.hexdigest()}"

@@ -16,7 +16,7 @@ from pathlib import Path
 _CHUNK = 4 << 20
 
 
-def _hasher(algorithm: str):
+def hasher(algorithm: str):
     if algorithm == "xxh3_128":
         import xxhash
 
@@ -39,7 +39,7 @@ def weights_digest(directory: str | Path, algorithm: str | None = None) -> str:
     files = sorted(Path(directory).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no .safetensors files in {directory}")
-    h = _hasher(algorithm)
+    h = hasher(algorithm)
     buf = bytearray(_CHUNK)
     view = memoryview(buf)
     for path in files:
