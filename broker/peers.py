@@ -1,8 +1,10 @@
 """The broker's peer registry: who is connected, in which role, and when each was last heard.
 
 Peers are known by routing identity (what the ROUTER sees) and by name (what
-they say in HELLO). A HELLO under a known name replaces the old identity, so
-a peer that reconnects keeps its name and with it its task leases. Any
+they say in HELLO). A HELLO under a known name with the same `session` (a
+token a client keeps for its whole life) replaces the old identity, so a peer
+that reconnects keeps its name and with it its task leases; another process
+under a live peer's name is refused until that peer leaves or expires. Any
 message refreshes `last_seen`; peers silent for longer than the liveness
 window are handed back by `silent` for the broker to drop.
 """
@@ -46,13 +48,25 @@ class Peers:
         """A connected trainer under another name (a run has one trainer)."""
         return next((p for p in self._by_name.values() if p.role == "trainer" and p.name != name), None)
 
+    def holder(self, hello: dict[str, Any], identity: bytes) -> Peer | None:
+        """A live peer on another connection that holds the HELLO's name and is not the same peer.
+
+        A peer proves it is the same one (reconnecting on a new socket) by its
+        HELLO `session`, which a client keeps for its whole life.
+        """
+        old = self._by_name.get(hello["name"])
+        if old is None or old.identity == identity:
+            return None
+        session = hello.get("session")
+        return None if session is not None and old.info.get("session") == session else old
+
     def join(self, identity: bytes, hello: dict[str, Any], now: float) -> tuple[Peer, bool]:
         """Register the sender of a HELLO; returns the peer and whether its name was known (a reconnect)."""
         old = self._by_name.get(hello["name"])
         if old is not None:
             self._by_identity.pop(old.identity, None)
         peer = Peer(hello["name"], hello["role"], identity, now, hello.get("policy_version", 0),
-                    {"pid": hello.get("pid"), "host": hello.get("host"),
+                    {"pid": hello.get("pid"), "host": hello.get("host"), "session": hello.get("session"),
                      "capabilities": hello.get("capabilities", {})})
         self._by_identity[identity] = peer
         self._by_name[peer.name] = peer

@@ -16,6 +16,7 @@ import json
 import os
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,8 @@ class HeldFetch:
     identity: bytes
     msg: P.Message
     deadline: float
+    expired: int = 0  # trajectories retired while it waited, reported in its EMPTY
+    skipped: int = 0
 
 
 class Broker:
@@ -142,23 +145,42 @@ class Broker:
                 puts.append((identity, msg))
                 continue
             if puts:
-                self._store_puts(puts)
+                self._guarded(self._store_puts, puts)
                 puts = []
-            self._dispatch(identity, msg)
+            self._guarded(self._dispatch, identity, msg)
         if puts:
-            self._store_puts(puts)
+            self._guarded(self._store_puts, puts)
+
+    def _guarded(self, handler, *args) -> None:
+        """Run one handler; a bug it hits is logged with its traceback and answered `ERROR internal`.
+
+        The loop goes on serving everyone else. Handlers change state only after
+        their checks pass, so what was acknowledged before stays as it was.
+        """
+        try:
+            handler(*args)
+        except Exception as exc:
+            requests = args[0] if handler == self._store_puts else [args]
+            log.exception("request_failed", command=requests[0][1].command if requests else None,
+                          error=P.brief(exc))
+            for identity, msg in requests:
+                self._reply(identity, msg, P.ERROR, {"code": "internal",
+                                                     "message": f"the broker failed on this request: "
+                                                                f"{type(exc).__name__}; see its log"})
 
     def _bad(self, identity: bytes, exc: P.ProtocolError, body: list[bytes]) -> None:
         peer = self.peers.get(identity)
         log.warning("bad_message", code=exc.code, reason=exc.message, peer=peer.name if peer else None,
                     frames=len(body))
         req = None
-        if exc.code not in ("malformed", "bad_version", "too_large"):
-            try:
-                req = P.unpack(body[2]).get("req")
+        if exc.code != "bad_version" and len(body) >= 3 and len(body[2]) <= P.MAX_HEADER_BYTES:
+            try:  # echo `req` whenever the header can be read, so the sender's request is answered
+                header = P.unpack(body[2])
+                req = header.get("req") if isinstance(header, dict) else None
             except Exception:
                 req = None
-        self._send(identity, P.error(exc.code, exc.message, req if isinstance(req, int) else None))
+        ok = isinstance(req, int) and not isinstance(req, bool) and 0 <= req <= P.MAX_INT
+        self._send(identity, P.error(exc.code, exc.message, req if ok else None))
 
     def _send(self, identity: bytes, frames: list[bytes]) -> None:
         try:
@@ -173,6 +195,10 @@ class Broker:
 
     def _reply(self, identity: bytes, msg: P.Message, command: str, header: dict[str, Any],
                payloads: list[bytes] | None = None) -> None:
+        if command == P.ERROR:  # every refusal is logged (docs/protocol.md, Errors)
+            peer = self.peers.get(identity)
+            log.warning("request_refused", command=msg.command, code=header["code"], reason=header["message"],
+                        peer=peer.name if peer else None)
         if "req" in msg.header:
             header["req"] = msg.header["req"]
         self._send(identity, P.encode(command, header, payloads))
@@ -196,9 +222,9 @@ class Broker:
         if msg.command in (P.FETCH, P.COMMIT, P.PUBLISH) and peer.role != "trainer":
             return self._reply(identity, msg, P.ERROR, {
                 "code": "bad_role", "message": f"{msg.command} is for the trainer; this peer is a {peer.role}"})
-        if msg.command == P.LEASE and peer.role != "explorer":
+        if msg.command in (P.LEASE, P.PUT) and peer.role != "explorer":
             return self._reply(identity, msg, P.ERROR, {
-                "code": "bad_role", "message": f"LEASE is for explorers; this peer is a {peer.role}"})
+                "code": "bad_role", "message": f"{msg.command} is for explorers; this peer is a {peer.role}"})
         handler(peer, msg)
 
     # ---- peers ------------------------------------------------------------
@@ -211,6 +237,17 @@ class Broker:
             if other is not None:
                 return self._reply(identity, msg, P.ERROR, {
                     "code": "conflict", "message": f"trainer {other.name!r} is already connected; one trainer per run"})
+        holder = self.peers.holder(h, identity)
+        if holder is not None:
+            wait = max(0.0, self.expiry - (now - holder.last_seen))
+            return self._reply(identity, msg, P.ERROR, {
+                "code": "conflict", "retry_after_s": round(wait + self.hb, 3),
+                "message": f"name {h['name']!r} belongs to a live {holder.role} (last heard "
+                           f"{now - holder.last_seen:.1f} s ago); pick another name, or retry once it has "
+                           f"left or expired (in {wait:.1f} s)"})
+        previous = self.peers.get(identity)
+        if previous is not None and previous.name != h["name"]:
+            self._drop(previous, "renamed")  # one connection, one name: the old one's leases go back
         peer, reconnect = self.peers.join(identity, h, now)
         log.info("peer_joined", peer=peer.name, role=peer.role, policy_version=peer.policy_version,
                  reconnect=reconnect, peers=len(self.peers))
@@ -286,10 +323,17 @@ class Broker:
         accepted: list[tuple[bytes, P.Message, list[str]]] = []
         room = self._credit()
         known = self.store.ids
+        adding: Counter[str] = Counter()  # samples the PUTs of this drain add to each group
+        sizes: dict[str, int] = {}
+        seen: set[str] = set()
         for identity, msg in puts:
             peer = self.peers.get(identity)
             if peer is None:
                 self._reply(identity, msg, P.ERROR, {"code": "not_registered", "message": "say HELLO first"})
+                continue
+            if peer.role != "explorer":
+                self._reply(identity, msg, P.ERROR, {
+                    "code": "bad_role", "message": f"PUT is for explorers; this peer is a {peer.role}"})
                 continue
             metas = msg.header["trajectories"]
             too_big = next((m["id"] for m in metas if m["payload_bytes"] > limit), None)
@@ -302,12 +346,16 @@ class Broker:
                 # A resend of ids still being written: answer once those are durable.
                 self.blocked.append((identity, msg))
                 continue
-            fresh = sum(1 for i in ids if i not in known)
+            fresh = len({i for i in ids if i not in known})
             if fresh > room:
                 peer.starved = True
                 self._reply(identity, msg, P.ACK, {"stored": [], "duplicate": [i for i in ids if i in known],
                                                    "deferred": [i for i in ids if i not in known],
                                                    "credit": 0, "depth": self.store.depth})
+                continue
+            why = self.store.refuse_join(metas, adding, sizes, seen)
+            if why is not None:
+                self._reply(identity, msg, P.ERROR, {"code": "conflict", "message": f"nothing stored: {why}"})
                 continue
             room -= fresh
             for meta in metas:
@@ -318,15 +366,18 @@ class Broker:
             return
         job = self.store.prepare(batches)
         if job is None:  # every id is durable already
-            return self._ack(accepted, set())
+            return self._ack(accepted, [set()] * len(accepted))
         job.acks = accepted
         self.writer.submit(job)
 
-    def _ack(self, accepted: list[tuple[bytes, P.Message, list[str]]], stored: set[str]) -> None:
+    def _ack(self, accepted: list[tuple[bytes, P.Message, list[str]]], stored_by: list[set[str]]) -> None:
+        """ACK each PUT: `stored` lists the ids that PUT itself stored, every other id is a `duplicate`
+        (stored before, or by another PUT of the same group commit)."""
         credit = self._credit()
-        for identity, msg, ids in accepted:
-            mine = [i for i in ids if i in stored]
-            self._reply(identity, msg, P.ACK, {"stored": mine, "duplicate": [i for i in ids if i not in stored],
+        for (identity, msg, ids), stored in zip(accepted, stored_by, strict=True):
+            unique = list(dict.fromkeys(ids))
+            self._reply(identity, msg, P.ACK, {"stored": [i for i in unique if i in stored],
+                                               "duplicate": [i for i in unique if i not in stored],
                                                "deferred": [], "credit": credit, "depth": self.store.depth})
 
     def _written(self) -> None:
@@ -343,7 +394,7 @@ class Broker:
             for group in completed:
                 self.tasks.complete(group.group_id)
             any_completed |= bool(completed)
-            self._ack(job.acks, job.ids)
+            self._ack(job.acks, job.stored_by)
         if self.blocked:
             blocked, self.blocked = self.blocked, []
             self._store_puts(blocked)
@@ -355,28 +406,42 @@ class Broker:
     def _fetch(self, peer: Peer, msg: P.Message) -> None:
         h = msg.header
         step = h["step"]
-        if step > self.trainer_step:
-            self.trainer_step = step  # made durable with the batch delivered for it
-        again = self.store.delivered(step)
-        if again is not None:
-            log.info("batch_redelivered", step=step, groups=len(again))
-            return self._send_batch(peer.identity, msg, step, again, 0, 0)
-        if step <= self.store.committed_step:
+        if step <= self.store.committed_step and self.store.delivered(step) is None:
             return self._reply(peer.identity, msg, P.ERROR, {
                 "code": "conflict", "message": f"step {step} was committed already (last committed: "
                                                f"{self.store.committed_step}); fetch a later step"})
-        if not self._try_fetch(peer.identity, msg):
+        newest = max(self.trainer_step, self.store.committed_step)
+        if step > newest + 1:
+            return self._reply(peer.identity, msg, P.ERROR, {
+                "code": "conflict", "message": f"step {step} skips steps: the trainer's last step here is "
+                                               f"{newest}; steps advance one at a time"})
+        if step > self.trainer_step:
+            self.trainer_step = step  # made durable with the batch delivered for it
+        # A second FETCH for a step still held replaces the first (the trainer resent it).
+        self.held = [x for x in self.held if not (x.identity == peer.identity and x.msg.header["step"] == step)]
+        retired = self._try_fetch(peer.identity, msg)
+        if retired is not None:
             wait_ms = h.get("wait_ms", 0)
             if wait_ms > 0:
-                self.held.append(HeldFetch(peer.identity, msg, time.time() + wait_ms / 1000))
+                self.held.append(HeldFetch(peer.identity, msg, time.time() + wait_ms / 1000, *retired))
             else:
-                self._empty(peer.identity, msg, 0, 0)
+                self._empty(peer.identity, msg, *retired)
 
-    def _try_fetch(self, identity: bytes, msg: P.Message) -> bool:
+    def _try_fetch(self, identity: bytes, msg: P.Message) -> tuple[int, int] | None:
+        """Deliver the batch of the FETCH's step if it can be made; else (expired, skipped) retired now.
+
+        A step has one batch: once delivered (and until committed) every FETCH of
+        that step gets the same groups again, whether it was held or not.
+        """
         h = msg.header
         step, batch_index = h["step"], h.get("batch_index")
+        again = self.store.delivered(step)
+        if again is not None:
+            log.info("batch_redelivered", step=step, groups=len(again))
+            self._send_batch(identity, msg, step, again, 0, 0)
+            return None
         if batch_index is not None and not self.tasks.batch_resolved(batch_index):
-            return False
+            return 0, 0
         groups, expired, skipped = self.store.select(step, h["max_groups"], self.cfg.sync.max_staleness,
                                                      batch_index, h.get("skip_zero_spread", False))
         if expired or skipped:
@@ -384,11 +449,11 @@ class Broker:
             self._refill()
         enough = len(groups) >= h.get("min_groups", 1) or (batch_index is not None)
         if not enough:
-            return False
+            return expired, skipped
         self.store.deliver(step, groups, {"trainer_step": self.trainer_step})
         log.info("batch_delivered", step=step, groups=len(groups), depth=self.store.depth)
         self._send_batch(identity, msg, step, groups, expired, skipped)
-        return True
+        return None
 
     def _send_batch(self, identity: bytes, msg: P.Message, step: int, groups: list[Group],
                     expired: int, skipped: int) -> None:
@@ -405,13 +470,18 @@ class Broker:
     def _serve_held(self) -> None:
         still = []
         for held in self.held:
-            if held.identity not in self.peers or not self._try_fetch(held.identity, held.msg):
+            if held.identity not in self.peers:
+                continue
+            retired = self._try_fetch(held.identity, held.msg)
+            if retired is not None:
+                held.expired += retired[0]
+                held.skipped += retired[1]
                 still.append(held)
-        self.held = [h for h in still if h.identity in self.peers]
+        self.held = still
 
     def _commit(self, peer: Peer, msg: P.Message) -> None:
         step = msg.header["step"]
-        if step not in self.store.batches and step > self.store.committed_step:
+        if step not in self.store.batches and not self.store.was_delivered(step):
             return self._reply(peer.identity, msg, P.ERROR, {
                 "code": "conflict", "message": f"no batch was delivered for step {step}"})
         n = self.store.commit(step)
@@ -461,7 +531,7 @@ class Broker:
             for held in [h for h in self.held if h.deadline <= now]:
                 self.held.remove(held)
                 if held.identity in self.peers:
-                    self._empty(held.identity, held.msg, 0, 0)
+                    self._empty(held.identity, held.msg, held.expired, held.skipped)
         if now - self._last_tick < self.hb / 2:
             return
         self._last_tick = now

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import sqlite3
 import zlib
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from contextlib import contextmanager
@@ -70,6 +71,7 @@ class WriteJob:
     ids: set[str] = field(default_factory=set)
     number: int = 0
     acks: list[Any] = field(default_factory=list)  # the loop's bookkeeping: who to ACK when durable
+    stored_by: list[set[str]] = field(default_factory=list)  # per PUT message planned: the ids it stores
 
 
 @dataclass(slots=True)
@@ -107,6 +109,7 @@ class Store:
         self._wdb: sqlite3.Connection | None = None
         self._wfd: tuple[int, int] | None = None
         self.pending_ids: set[str] = set()
+        self.pending_groups: Counter[str] = Counter()  # group id -> trajectories of it being written
         self.ids: set[str] = set()
         self.groups: dict[str, Group] = {}
         self.ready: dict[str, Group] = {}
@@ -178,6 +181,39 @@ class Store:
         c = self.counts
         return c["stored"] + len(self.pending_ids) - c["committed"] - c["expired"] - c["skipped"]
 
+    def refuse_join(self, metas: list[dict[str, Any]], adding: Counter, sizes: dict[str, int],
+                    seen: set[str]) -> str | None:
+        """Why these new trajectories cannot join their groups, or None (then they are counted in `adding`).
+
+        A group takes exactly `group_size` samples: a trajectory for a group
+        that is full, already delivered or retired, or that disagrees about
+        the group's size would be stored and never trained on, so the PUT is
+        refused before anything is stored. `adding`, `sizes` and `seen` carry
+        what earlier PUTs of the same drain will add.
+        """
+        mine: Counter[str] = Counter()
+        new: set[str] = set()
+        for m in metas:
+            tid, gid, size = m["id"], m["group_id"], m["group_size"]
+            if tid in self.ids or tid in self.pending_ids or tid in seen or tid in new:
+                continue  # a resend: answered as a duplicate
+            new.add(tid)
+            group = self.groups.get(gid)
+            known = group.size if group is not None else sizes.get(gid, size)
+            if known != size:
+                return f"trajectory {tid}: group {gid} has group_size {known}, this trajectory says {size}"
+            if group is not None and group.state != FILLING:
+                return f"trajectory {tid}: group {gid} is complete already; no sample can join it"
+            have = (len(group.trajs) if group else 0) + self.pending_groups[gid] + adding[gid] + mine[gid]
+            if have >= size:
+                return f"trajectory {tid}: group {gid} has all its {size} samples already"
+            mine[gid] += 1
+        adding.update(mine)
+        seen |= new
+        for m in metas:
+            sizes.setdefault(m["group_id"], m["group_size"])
+        return None
+
     def prepare(self, batches: list[list[tuple[dict[str, Any], memoryview]]]) -> WriteJob | None:
         """Plan the group commit of several PUT messages: ids not stored yet, and where their bytes go.
 
@@ -190,6 +226,7 @@ class Store:
             if self._offset >= self.segment_bytes:
                 self.segment, self._offset = self.segment + 1, 0
             chunk = []
+            job.stored_by.append(set())
             src_off = 0  # offset of each payload in the frame it arrived in
             for meta, payload in items:
                 size = len(payload)
@@ -200,23 +237,34 @@ class Store:
                                       self._offset, size, 0, meta, view, src_off))
                     self._offset += size
                     job.ids.add(tid)
+                    job.stored_by[-1].add(tid)
                 src_off += size
             if chunk:
                 job.chunks.append(chunk)
         if not job.chunks:
             return None
         self.pending_ids |= job.ids
+        self.pending_groups.update(t.meta["group_id"] for chunk in job.chunks for t in chunk)
         return job
 
     def write(self, jobs: list[WriteJob]) -> None:
         """Append the jobs' payloads, sync them, then commit their metadata (writer thread)."""
         chunks = [chunk for job in jobs for chunk in job.chunks]
-        by_segment: dict[int, list[bytes | memoryview]] = {}
-        for chunk in chunks:
-            by_segment.setdefault(chunk[0].segment, []).extend(t.data for t in chunk)
-        for segment, payloads in by_segment.items():
+        # Each chunk goes where `prepare` placed it (not wherever the file ends): bytes of a
+        # failed write (ENOSPC, EIO) are then unreferenced garbage, and the chunks planned after
+        # them still land at the offsets their metadata records.
+        runs: dict[int, list[tuple[int, list[memoryview]]]] = {}
+        for chunk in sorted(chunks, key=lambda c: (c[0].segment, c[0].offset)):
+            segment_runs = runs.setdefault(chunk[0].segment, [])
+            last = segment_runs[-1] if segment_runs else None
+            if last is not None and last[0] + sum(len(b) for b in last[1]) == chunk[0].offset:
+                last[1].extend(t.data for t in chunk)
+            else:
+                segment_runs.append((chunk[0].offset, [t.data for t in chunk]))
+        for segment, segment_runs in runs.items():
             fd = self._writer_fd(segment)
-            _write_all(fd, payloads)
+            for offset, payloads in segment_runs:
+                _write_all(fd, payloads, offset)
             if self.fsync:
                 os.fdatasync(fd)
         rows = []
@@ -235,7 +283,7 @@ class Store:
 
     def finish(self, job: WriteJob) -> list[Group]:
         """The job is durable: index its trajectories; returns the groups it completed."""
-        self.pending_ids -= job.ids
+        self._unpend(job)
         trajs = [t for chunk in job.chunks for t in chunk]
         for traj in trajs:
             if self.cached < self.cache_budget:
@@ -246,7 +294,12 @@ class Store:
 
     def abandon(self, job: WriteJob) -> None:
         """The job could not be written: forget it (nothing was ACKed)."""
+        self._unpend(job)
+
+    def _unpend(self, job: WriteJob) -> None:
         self.pending_ids -= job.ids
+        self.pending_groups.subtract(t.meta["group_id"] for chunk in job.chunks for t in chunk)
+        self.pending_groups = +self.pending_groups
 
     def put(self, batches: list[list[tuple[dict[str, Any], bytes]]]) -> tuple[set[str], list[Group]]:
         """prepare, write and finish in one go; returns (ids newly stored, groups completed)."""
@@ -262,10 +315,11 @@ class Store:
 
     def _writer_fd(self, segment: int) -> int:
         if self._wfd is None or self._wfd[0] != segment:
-            if self._wfd is not None:
-                os.close(self._wfd[1])
             path = self.dir / "segments" / f"{segment:08d}.seg"
-            self._wfd = (segment, os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644))
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)  # may fail: the old descriptor stays valid
+            old, self._wfd = self._wfd, (segment, fd)
+            if old is not None:
+                os.close(old[1])
         return self._wfd[1]
 
     def _writer_db(self) -> sqlite3.Connection:
@@ -353,6 +407,10 @@ class Store:
             self._set_state(group, DELIVERED, step)
         self.batches[step] = ids
 
+    def was_delivered(self, step: int) -> bool:
+        """Whether a batch was ever delivered for `step` (committed since or not)."""
+        return self.db.execute("SELECT 1 FROM batches WHERE step=?", (step,)).fetchone() is not None
+
     def delivered(self, step: int) -> list[Group] | None:
         """The uncommitted batch already delivered for `step`, if any."""
         ids = self.batches.get(step)
@@ -421,13 +479,16 @@ class Store:
         self.db.close()
 
 
-def _write_all(fd: int, buffers: list[bytes | memoryview]) -> None:
-    """Append every buffer in order with as few system calls as the OS allows."""
+def _write_all(fd: int, buffers: list[bytes | memoryview], offset: int) -> None:
+    """Write every buffer in order from `offset`, with as few system calls as the OS allows."""
     limit = os.sysconf("SC_IOV_MAX")
-    pending = [memoryview(b) for b in buffers]
+    pending = [v for v in (memoryview(b).cast("B") for b in buffers) if len(v)]  # empty payloads add nothing
     i = 0
     while i < len(pending):
-        written = os.writev(fd, pending[i:i + limit])
+        written = os.pwritev(fd, pending[i:i + limit], offset)
+        if written <= 0:
+            raise OSError(f"pwritev wrote nothing at offset {offset} of a segment")
+        offset += written
         while written:
             n = len(pending[i])
             if written >= n:

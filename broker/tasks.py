@@ -14,6 +14,7 @@ tasks were issued, which are done and which are still out.
 from __future__ import annotations
 
 import heapq
+import re
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -49,16 +50,17 @@ def refusal(sync, batch_index: int, version: int, trainer_step: int, queued_step
     return ("ahead", 0) if trainer_step + queued_steps - version > sync.max_staleness else None
 
 
+_LEASE_ID = re.compile(r"t([0-9]{1,15})\.[0-9]{1,15}", re.ASCII)  # ASCII digits only: int() must agree
+
+
 def lease_id(seq: int, attempt: int) -> str:
     return f"t{seq}.{attempt}"
 
 
 def seq_of(lease: str) -> int | None:
     """The task seq a lease (group) id answers, or None for ids not made by `lease_id`."""
-    if not lease.startswith("t"):
-        return None
-    head, _, _ = lease[1:].partition(".")
-    return int(head) if head.isdigit() else None
+    match = _LEASE_ID.fullmatch(lease)
+    return int(match[1]) if match else None
 
 
 class TaskQueue:

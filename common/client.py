@@ -28,6 +28,7 @@ import random
 import socket
 import threading
 import time
+import uuid
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -40,6 +41,11 @@ from common import protocol as P
 from common.curve import configure_client
 
 log = structlog.get_logger()
+
+
+def default_name(role: str) -> str:
+    """A peer name unique to this process and this start: role, host, pid and a random tag."""
+    return f"{role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
 class BrokerError(Exception):
@@ -76,7 +82,8 @@ class BrokerClient:
         self.address = address
         self.bus_address = bus_address
         self.role = role
-        self.name = name or f"{role}-{socket.gethostname()}-{os.getpid()}"
+        self.session = uuid.uuid4().hex  # proves a reconnect on a new socket is this client again
+        self.name = name or default_name(role)
         self.hb = heartbeat_interval_s
         self.liveness = liveness
         self.backoff_initial = backoff_initial_s
@@ -96,7 +103,11 @@ class BrokerClient:
         # Messages the broker sends on its own (EVAL for reward workers), for the peer's code to take.
         self.inbox: queue.Queue[P.Message] = queue.Queue()
         self._lock = threading.Lock()
-        self._welcomed = threading.Event()
+        self._welcomed = threading.Event()  # set by WELCOME, or by a refused first HELLO
+        self._hello_error: BrokerError | None = None
+        self._hello_req = -1
+        self._retry_hello_at = 0.0
+        self._start_deadline = float("inf")
         self._bye_sent = threading.Event()
         self._stop = threading.Event()
         self._wake_addr = f"inproc://rlbus-client-{id(self)}"
@@ -109,10 +120,15 @@ class BrokerClient:
     # ---- caller side ------------------------------------------------------
 
     def start(self, timeout: float | None = 30.0) -> dict[str, Any]:
-        """Connect and wait for WELCOME; returns its header."""
+        """Connect and wait for WELCOME; returns its header. A refused HELLO raises BrokerError at once
+        (a name held by a peer that is expiring is retried while `timeout` allows)."""
+        self._start_deadline = time.monotonic() + (timeout if timeout is not None else float("inf"))
         self._thread.start()
         if not self._welcomed.wait(timeout):
             raise TimeoutError(f"no WELCOME from the broker at {self.address} within {timeout} s; is it running?")
+        if self._hello_error is not None:
+            self.close(bye=False)
+            raise self._hello_error
         assert self.welcome is not None
         return self.welcome
 
@@ -220,9 +236,7 @@ class BrokerClient:
                 self._timers()
         except Exception:  # a bug here must not leave callers waiting forever
             log.exception("client_thread_failed", peer=self.name)
-            for request in [*self._pending.values(), *self._held, *self._outbox]:
-                if not request.future.done():
-                    request.future.set_exception(RuntimeError("broker client thread failed; see the log"))
+            self._fail_all(RuntimeError("broker client thread failed; see the log"))
         finally:
             self.sock.close(0)
             if self.sub is not None:
@@ -280,7 +294,7 @@ class BrokerClient:
     def _on_message(self, frames: list[bytes]) -> None:
         self._last_recv = time.monotonic()
         try:
-            msg = P.decode(frames)
+            msg = P.decode(frames, max_header_bytes=P.MAX_REPLY_HEADER_BYTES)
         except P.ProtocolError as exc:
             log.warning("bad_message_from_broker", code=exc.code, reason=exc.message)
             return
@@ -299,6 +313,8 @@ class BrokerClient:
             if h.get("code") == "not_registered":
                 log.info("broker_forgot_us", peer=self.name)
                 return self._rehello()
+            if h.get("req") == self._hello_req:
+                return self._on_hello_refused(h)
             if request is None:
                 log.warning("broker_error", code=h.get("code"), message=h.get("message"))
                 return None
@@ -370,11 +386,41 @@ class BrokerClient:
     def _rehello(self) -> None:
         """HELLO (again): until WELCOME comes back, requests wait in the held queue."""
         self._welcome_ok = False
-        self._send(P.HELLO, {"role": self.role, "name": self.name, "pid": os.getpid(), "host": socket.gethostname(),
+        self._hello_req = next(self._ids)
+        self._hello_at = time.monotonic()
+        self._send(P.HELLO, {"req": self._hello_req, "role": self.role, "name": self.name, "pid": os.getpid(),
+                             "host": socket.gethostname(), "session": self.session,
                              "policy_version": self.policy_version, "capabilities": self.capabilities})
+
+    def _on_hello_refused(self, h: dict[str, Any]) -> None:
+        """The broker refused our HELLO. A name still held by a peer that is going away is retried
+        once it has expired (`retry_after_s`); anything else reaches the caller of `start` at once."""
+        error = BrokerError(h.get("code", "?"), h.get("message", ""))
+        retry = h.get("retry_after_s")
+        log.warning("hello_refused", peer=self.name, code=error.code, reason=error.message, retry_after_s=retry)
+        first = not self._welcomed.is_set()
+        if isinstance(retry, (int, float)) and (not first or time.monotonic() + retry < self._start_deadline):
+            self._retry_hello_at = time.monotonic() + retry
+            return
+        if first:
+            self._hello_error = error
+            self._welcomed.set()
+        else:  # refused on a reconnect for good: fail what waits rather than leave it hanging
+            self._fail_all(error)
+            self._stop.set()
+
+    def _fail_all(self, error: Exception) -> None:
+        for request in [*self._pending.values(), *self._held, *self._outbox]:
+            if not request.future.done():
+                request.future.set_exception(error)
+        self._pending.clear()
+        self._held.clear()
 
     def _timers(self) -> None:
         now = time.monotonic()
+        if self._retry_hello_at and now >= self._retry_hello_at:
+            self._retry_hello_at = 0.0
+            self._rehello()
         silent = now - self._last_recv
         if silent > self.liveness * self.hb:
             delay = min(self.backoff_max, self._backoff) * random.uniform(0.5, 1.0)

@@ -10,6 +10,7 @@ broker stores without decoding.
 from __future__ import annotations
 
 import math
+import reprlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +55,13 @@ TOPIC_WEIGHTS = b"weights"
 MAX_HEADER_BYTES = 1 << 20
 MAX_FRAMES = 4096
 MAX_ID_CHARS = 128
+MAX_DEPTH = 16  # maps and lists inside a header; what the broker stores it re-emits a few levels deeper
+MAX_INT = (1 << 53) - 1  # integers are unsigned and exact in a double, in JSON and in SQLite
+# Replies (a BATCH of many groups) may be larger than a request header.
+MAX_REPLY_HEADER_BYTES = 256 << 20
+
+_brief = reprlib.Repr()
+_brief.maxlevel, _brief.maxstring, _brief.maxother, _brief.maxlist, _brief.maxdict = 2, 40, 40, 4, 4
 
 
 class ProtocolError(Exception):
@@ -85,11 +93,31 @@ def encode(command: str, header: dict[str, Any] | None = None, payloads: list[by
     return [PROTOCOL, command.encode("ascii"), pack(header or {}), *(payloads or [])]
 
 
-def decode(frames: list[bytes], max_message_bytes: int | None = None) -> Message:
+def brief(value: Any) -> str:
+    """A short repr for error messages: bounded in length and depth whatever a peer sent."""
+    return _brief.repr(value)
+
+
+def too_deep(obj: Any, limit: int = MAX_DEPTH) -> bool:
+    """Whether maps and lists nest deeper than `limit` (iteratively: no recursion a peer can exhaust)."""
+    stack = [(obj, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = item.values() if type(item) is dict else item
+        stack.extend((c, depth + 1) for c in children if type(c) in (dict, list))
+    return False
+
+
+def decode(frames: list[bytes], max_message_bytes: int | None = None,
+           max_header_bytes: int = MAX_HEADER_BYTES) -> Message:
     """Parse the frames of one message (without the routing identity).
 
     Raises ProtocolError for anything that is not a well-formed message of
     this protocol version; the caller answers with ERROR and carries on.
+    Checks run in the order docs/protocol.md gives (*Errors*), so the code a
+    bad message gets does not depend on the peer.
     """
     if len(frames) < 3:
         raise ProtocolError("malformed", f"a message has at least 3 frames (protocol, command, header); got {len(frames)}")
@@ -106,14 +134,16 @@ def decode(frames: list[bytes], max_message_bytes: int | None = None) -> Message
         command = bytes(frames[1]).decode("ascii")
     except UnicodeDecodeError:
         raise ProtocolError("malformed", "command frame is not ASCII") from None
-    if len(frames[2]) > MAX_HEADER_BYTES:
-        raise ProtocolError("too_large", f"header of {len(frames[2])} bytes exceeds the limit of {MAX_HEADER_BYTES}")
+    if len(frames[2]) > max_header_bytes:
+        raise ProtocolError("too_large", f"header of {len(frames[2])} bytes exceeds the limit of {max_header_bytes}")
     try:
         header = unpack(frames[2])
     except Exception as exc:  # msgpack raises several unrelated types
-        raise ProtocolError("malformed", f"header is not valid msgpack: {exc}") from None
+        raise ProtocolError("malformed", f"header is not valid msgpack: {str(exc)[:200]}") from None
     if not isinstance(header, dict):
         raise ProtocolError("malformed", f"header must be a msgpack map, got {type(header).__name__}")
+    if too_deep(header):
+        raise ProtocolError("malformed", f"header nests maps and lists deeper than {MAX_DEPTH} levels")
     return Message(command, header, list(frames[3:]))
 
 
@@ -131,7 +161,8 @@ _TYPES: dict[str, tuple[type, ...]] = {
 # command -> {field: (type name, required)}
 SCHEMAS: dict[str, dict[str, tuple[str, bool]]] = {
     HELLO: {"req": ("int", False), "role": ("str", True), "name": ("str", True), "pid": ("int", False),
-            "host": ("str", False), "policy_version": ("int", False), "capabilities": ("map", False)},
+            "host": ("str", False), "policy_version": ("int", False), "capabilities": ("map", False),
+            "session": ("str", False)},
     HEARTBEAT: {"policy_version": ("int", False)},
     BYE: {"req": ("int", False)},
     LEASE: {"req": ("int", False), "max_tasks": ("int", True), "policy_version": ("int", True)},
@@ -146,6 +177,16 @@ SCHEMAS: dict[str, dict[str, tuple[str, bool]]] = {
     RESULT: {"job": ("int", True), "results": ("list", True)},
 }
 
+# Maps inside requests whose fields the broker reads or passes on to other peers.
+BROADCAST_SCHEMA: dict[str, tuple[str, bool]] = {
+    "epoch": ("int", True), "backend": ("str", True), "address": ("str", True), "world": ("int", True),
+    "ranks": ("map", True), "version": ("int", True), "digest": ("str", True), "timeout_s": ("float", True),
+}
+EVAL_ITEM_SCHEMA: dict[str, tuple[str, bool]] = {"task": ("map", False), "text": ("str", True),
+                                                 "token_ids": ("list", False)}
+# HELLO capabilities the broker reads; any other key is kept as it came (within MAX_DEPTH).
+CAPABILITY_LISTS = ("services", "sync_methods", "broadcast_backends")
+
 TRAJECTORY_SCHEMA: dict[str, tuple[str, bool]] = {
     "id": ("str", True), "group_id": ("str", True), "task_id": ("str", True), "group_size": ("int", True),
     "batch_index": ("int", True), "policy_version": ("int", True), "reward": ("float", True),
@@ -154,17 +195,22 @@ TRAJECTORY_SCHEMA: dict[str, tuple[str, bool]] = {
 
 
 def _check_fields(where: str, data: dict, schema: dict[str, tuple[str, bool]]) -> None:
+    """Type and range of every field in `schema`. A field may be left out when optional; nil is never
+    a value (it is a type error, not "absent"), so what the broker stores it can always re-emit."""
     for name, (kind, required) in schema.items():
-        value = data.get(name)
-        if value is None:
+        if name not in data:
             if required:
                 raise ProtocolError("bad_field", f"{where}: field {name!r} is required ({kind})")
             continue
+        value = data[name]
         # bool is a subclass of int: keep the two apart.
         if not isinstance(value, _TYPES[kind]) or (kind in ("int", "float") and isinstance(value, bool)):
-            raise ProtocolError("bad_field", f"{where}: field {name!r} must be {kind}, got {type(value).__name__} {value!r:.40}")
-        if kind == "int" and value < 0:
-            raise ProtocolError("bad_field", f"{where}: field {name!r} must be >= 0, got {value}")
+            got = "nil" if value is None else f"{type(value).__name__} {brief(value)}"
+            raise ProtocolError("bad_field", f"{where}: field {name!r} must be {kind}, got {got}"
+                                + ("; leave the field out instead of sending nil" if value is None else ""))
+        if kind == "int" and not 0 <= value <= MAX_INT:
+            raise ProtocolError("bad_field", f"{where}: field {name!r} must be between 0 and 2^53 - 1, "
+                                             f"got {brief(value)}")
         if kind == "float" and not math.isfinite(value):
             raise ProtocolError("bad_field", f"{where}: field {name!r} must be finite, got {value}")
         if kind == "str" and len(value) > MAX_ID_CHARS and name in ("id", "group_id", "task_id", "name"):
@@ -179,23 +225,30 @@ def _trajectory_ok(m: Any) -> bool:
     info = m.get("info")
     return (type(i) is str and len(i) <= MAX_ID_CHARS and type(g) is str and len(g) <= MAX_ID_CHARS
             and type(t) is str and len(t) <= MAX_ID_CHARS
-            and type(m.get("group_size")) is int and m["group_size"] >= 1
-            and type(m.get("batch_index")) is int and m["batch_index"] >= 0
-            and type(m.get("policy_version")) is int and m["policy_version"] >= 0
-            and type(m.get("n_tokens")) is int and m["n_tokens"] >= 0
-            and type(m.get("payload_bytes")) is int and m["payload_bytes"] >= 0
+            and type(m.get("group_size")) is int and 1 <= m["group_size"] <= MAX_INT
+            and type(m.get("batch_index")) is int and 0 <= m["batch_index"] <= MAX_INT
+            and type(m.get("policy_version")) is int and 0 <= m["policy_version"] <= MAX_INT
+            and type(m.get("n_tokens")) is int and 0 <= m["n_tokens"] <= MAX_INT
+            and type(m.get("payload_bytes")) is int and 0 <= m["payload_bytes"] <= MAX_INT
             and type(r) in (float, int) and math.isfinite(r)
-            and (info is None or type(info) is dict))
+            and ("info" not in m or type(info) is dict))
 
 
 def validate(msg: Message) -> None:
     """Check a request's fields against its schema; raise ProtocolError if wrong."""
     schema = SCHEMAS.get(msg.command)
     if schema is None:
-        raise ProtocolError("unknown_command", f"unknown command {msg.command!r:.40}; known: {', '.join(sorted(SCHEMAS))}")
+        raise ProtocolError("unknown_command", f"unknown command {brief(msg.command)}; known: {', '.join(sorted(SCHEMAS))}")
     _check_fields(msg.command, msg.header, schema)
-    if msg.command == HELLO and msg.header["role"] not in ROLES:
-        raise ProtocolError("bad_field", f"HELLO: role {msg.header['role']!r:.40} is not one of {sorted(ROLES)}")
+    if msg.command == HELLO:
+        _check_hello(msg.header)
+    elif msg.command == PUBLISH and "broadcast" in msg.header:
+        _check_broadcast(msg.header["broadcast"])
+    elif msg.command == EVAL:
+        for i, item in enumerate(msg.header["items"]):
+            if type(item) is not dict:
+                raise ProtocolError("bad_field", f"EVAL: items[{i}] must be a map")
+            _check_fields(f"EVAL items[{i}]", item, EVAL_ITEM_SCHEMA)
     if msg.command == PUT:
         trajectories = msg.header["trajectories"]
         if len(msg.payloads) != 1:
@@ -213,6 +266,24 @@ def validate(msg: Message) -> None:
                                              f"has {len(msg.payloads[0])} bytes")
     elif msg.header.get("max_tasks") == 0 or msg.header.get("max_groups") == 0:
         raise ProtocolError("bad_field", f"{msg.command}: asking for zero items")
+
+
+def _check_hello(h: dict[str, Any]) -> None:
+    if h["role"] not in ROLES:
+        raise ProtocolError("bad_field", f"HELLO: role {brief(h['role'])} is not one of {sorted(ROLES)}")
+    for key in CAPABILITY_LISTS:
+        value = h.get("capabilities", {}).get(key, [])
+        if type(value) is not list or not all(type(v) is str and len(v) <= MAX_ID_CHARS for v in value):
+            raise ProtocolError("bad_field", f"HELLO: capabilities.{key} must be a list of names "
+                                             f"(strings of at most {MAX_ID_CHARS} characters), got {brief(value)}")
+
+
+def _check_broadcast(b: dict[str, Any]) -> None:
+    _check_fields("PUBLISH broadcast", b, BROADCAST_SCHEMA)
+    ranks = b["ranks"]
+    if not all(type(r) is int and not isinstance(r, bool) and 1 <= r < b["world"] for r in ranks.values()):
+        raise ProtocolError("bad_field", f"PUBLISH broadcast: ranks must map explorer names to ranks "
+                                         f"1..world-1, got {brief(ranks)}")
 
 
 def join_payloads(metas: list[dict[str, Any]], payloads: list[bytes]) -> bytes:

@@ -103,6 +103,19 @@ class Engine:
                  seconds=seconds, **result)
         return result
 
+    def close(self) -> None:
+        """Stop vLLM's engine-core process; without this the interpreter waits for it at exit."""
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+            log.info("engine_stopped", model=self.model)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def load_checkpoint(self, path: str, digest: str, version: int) -> float:
         """Load published weights in place after checking their digest; returns seconds spent."""
         started = time.monotonic()

@@ -18,7 +18,6 @@ releases any lease it still holds.
 from __future__ import annotations
 
 import signal
-import socket
 import threading
 import time
 from typing import Any
@@ -26,7 +25,7 @@ from typing import Any
 import structlog
 
 from common import protocol as P
-from common.client import BrokerClient
+from common.client import BrokerClient, default_name
 from common.config import RunConfig
 from common.logging import bind
 from explorer.engine import DigestMismatch
@@ -41,7 +40,7 @@ class Explorer:
     def __init__(self, cfg: RunConfig, engine, name: str | None = None):
         self.cfg = cfg
         self.engine = engine
-        self.name = name or cfg.explorer.name or f"explorer-{socket.gethostname()}-{id(self) % 10000}"
+        self.name = name or cfg.explorer.name or default_name("explorer")
         self.reward_fn = from_config(cfg.reward)
         self.stop_event = threading.Event()
         self.batches = 0
@@ -217,8 +216,9 @@ def run(cfg: RunConfig) -> None:
 
     engine = Engine(resolve_model(cfg.model.path, cfg.model.cache_dir), seed=cfg.trainer.seed,
                     memory_fraction=cfg.explorer.memory_fraction, dtype=cfg.explorer.dtype)
-    engine.warm_up()
-    explorer = Explorer(cfg, engine)
-    signal.signal(signal.SIGTERM, lambda *_: explorer.stop())
-    signal.signal(signal.SIGINT, lambda *_: explorer.stop())
-    explorer.run()
+    with engine:
+        engine.warm_up()
+        explorer = Explorer(cfg, engine)
+        signal.signal(signal.SIGTERM, lambda *_: explorer.stop())
+        signal.signal(signal.SIGINT, lambda *_: explorer.stop())
+        explorer.run()

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import queue
 import signal
-import socket
 from typing import Any, Callable
 
 import structlog
 
 from common import protocol as P
-from common.client import BrokerClient
+from common.client import BrokerClient, default_name
 from common.config import RunConfig
 from common.logging import bind
 from reward.base import Response, RewardResult, evaluate, from_config, resolve
@@ -34,7 +33,7 @@ def _plain(result: RewardResult) -> dict[str, Any]:
 class RewardWorker:
     def __init__(self, cfg: RunConfig, services: list[str], name: str | None = None):
         self.cfg = cfg
-        self.name = name or f"reward-{socket.gethostname()}-{id(self) % 10000}"
+        self.name = name or default_name("reward")
         from_config(cfg.reward)  # applies the sandbox limits
         self.handlers: dict[str, Callable[[list[dict]], list[dict]]] = {}
         for service in services:

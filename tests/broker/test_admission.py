@@ -48,7 +48,8 @@ def test_async_explorer_too_far_behind_the_trainer_waits(broker_factory, clients
     b = broker_factory("sync.sync_style=async", "sync.max_staleness=1", "data.batch_tasks=1")
     ex = clients(b, "explorer", "ex")
     tr = clients(b, "trainer", "tr")
-    tr.request(P.FETCH, {"step": 5, "max_groups": 1})  # the trainer is at step 5
+    for step in range(6):  # the trainer is at step 5 (steps advance one at a time)
+        tr.request(P.FETCH, {"step": step, "max_groups": 1})
     wait = ex.request(P.LEASE, {"max_tasks": 1, "policy_version": 0})
     assert wait.command == P.WAIT and wait.header["need_version"] == 4
     assert ex.request(P.LEASE, {"max_tasks": 1, "policy_version": 4}).command == P.TASKS

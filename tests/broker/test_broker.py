@@ -102,10 +102,12 @@ def test_fetch_excludes_stale_and_zero_spread_groups(broker_factory, clients):
     """Groups older than max_staleness for the step, and all-equal-reward groups, are never delivered."""
     b = broker_factory("sync.sync_style=async", "sync.max_staleness=2")
     ex = clients(b, "explorer", "ex")
+    tr = clients(b, "trainer", "tr")
+    for step in range(6):  # the trainer reaches step 6 with nothing to train on
+        assert tr.request(P.FETCH, {"step": step, "max_groups": 8}).command == P.EMPTY
     ex.put(group("old", version=0), timeout=5)
     ex.put(group("flat", version=5, rewards=[1.0, 1.0]), timeout=5)
     ex.put(group("fresh", version=4), timeout=5)
-    tr = clients(b, "trainer", "tr")
     batch = tr.request(P.FETCH, {"step": 6, "max_groups": 8, "skip_zero_spread": True})
     assert [g["group_id"] for g in batch.header["groups"]] == ["fresh"]
     assert batch.header["expired"] == 2 and batch.header["skipped"] == 2

@@ -123,15 +123,17 @@ def test_corrupted_bytes_fail_the_digest_check():
 def test_member_killed_mid_broadcast_aborts_the_epoch_within_the_timeout_and_the_next_epoch_works():
     big = {"a": torch.randn(4096, 1024), "b": torch.randn(4096, 1024), "c": torch.randn(4096, 1024)}
     root = Root(1, 3, big, {1: big})
-    out = mp.get_context("spawn").Queue()
+    # One queue per process: a process SIGKILLed while its queue's feeder thread holds the write lock
+    # (it releases it only after the reader has the message) would block every other writer of that queue.
+    out, victim_out = mp.get_context("spawn").Queue(), mp.get_context("spawn").Queue()
     survivor = spawn(bcast_member.receive, root.ann, 1, [1], out)
-    victim = spawn(bcast_member.receive_then_die, root.ann, 2, out)
+    victim = spawn(bcast_member.receive_then_die, root.ann, 2, victim_out)
     failed_after = None
     try:
         comm = root.comm()
         started = time.monotonic()
         comm.broadcast(root.buckets[1][0])
-        assert out.get(timeout=120)[0] == "first_bucket"
+        assert victim_out.get(timeout=120)[0] == "first_bucket"
         os.kill(victim.pid, signal.SIGKILL)
         victim.join(timeout=10)
         with pytest.raises(BroadcastError):
