@@ -417,8 +417,6 @@ class Broker:
                                                f"{newest}; steps advance one at a time"})
         if step > self.trainer_step:
             self.trainer_step = step  # made durable with the batch delivered for it
-        # A second FETCH for a step still held replaces the first (the trainer resent it).
-        self.held = [x for x in self.held if not (x.identity == peer.identity and x.msg.header["step"] == step)]
         retired = self._try_fetch(peer.identity, msg)
         if retired is not None:
             wait_ms = h.get("wait_ms", 0)
