@@ -114,6 +114,7 @@ def policy_loss(logp: torch.Tensor, logp_prox: torch.Tensor, logp_behaviour: tor
     statistics, KL).
     """
     mask = mask.bool()
+    response = mask  # every response token: the denominator of aggregation and of the fractions below
     a = adv[:, None].to(logp.dtype)
     ratio = torch.exp(logp - logp_prox.detach())
     unclipped = -a * ratio
@@ -138,12 +139,14 @@ def policy_loss(logp: torch.Tensor, logp_prox: torch.Tensor, logp_behaviour: tor
         kl = kl_estimate(logp, logp_ref.detach(), cfg.kl_kind)
         per_token = per_token + cfg.kl_coef * kl
         kl_mean = float((kl * mask).sum() / mask.sum().clamp(min=1))
-    loss = aggregate(per_token, mask, cfg.aggregation)
+    # Tokens the importance mask drops add zero but still count, so a batch split into micro-batches
+    # (weighted by their share of response tokens) has the same loss and gradients as the whole.
+    loss = aggregate(per_token * mask, response, cfg.aggregation)
     with torch.no_grad():
         n = mask.sum().clamp(min=1)
         clip_hit = ((clipped > unclipped) & mask).sum() / n
         wm = w[mask] if mask.any() else w.new_zeros(1)
         metrics = {"clip_fraction": float(clip_hit), "is_weight_mean": float(wm.mean()),
                    "is_weight_max": float(wm.max()), "is_weight_min": float(wm.min()),
-                   "is_limited_fraction": float(limited.sum() / mask.sum().clamp(min=1)), "kl": kl_mean}
+                   "is_limited_fraction": float(limited.sum() / response.sum().clamp(min=1)), "kl": kl_mean}
     return loss, metrics

@@ -41,12 +41,26 @@ def save(directory: str | Path, step: int, version: int, model, optimizer, sched
                tmp / "state.pt")
     with open(tmp / "state.pt", "rb") as f:
         os.fsync(f.fileno())
-    if final.exists():
-        shutil.rmtree(final)
+    _fsync_dir(tmp)
+    if final.exists():  # a step saved again (a resumed run): set the old copy aside, never delete it first
+        stale = root / f".step_{step:08d}.old"
+        shutil.rmtree(stale, ignore_errors=True)
+        os.rename(final, stale)
+        _fsync_dir(root)
+        shutil.rmtree(stale, ignore_errors=True)
     os.rename(tmp, final)
+    _fsync_dir(root)  # the rename is durable before the trainer COMMITs the steps this checkpoint covers
     for old in sorted(root.glob("step_*"))[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def latest(directory: str | Path) -> Path | None:

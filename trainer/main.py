@@ -21,6 +21,7 @@ One `train_step` log line per step carries the canonical metrics.
 
 from __future__ import annotations
 
+import contextvars
 import math
 import random
 import signal
@@ -35,7 +36,7 @@ import structlog
 import torch
 
 from common import protocol as P
-from common.client import BrokerClient
+from common.client import BrokerClient, BrokerError
 from common.config import RunConfig
 from common.logging import bind
 from trainer import checkpoint
@@ -98,6 +99,7 @@ class Trainer:
         self.temperature = cfg.explorer.temperature or 1.0
         self._stop = False
         self.client: BrokerClient | None = None
+        self.broker_version = 0  # the version the broker announced when this trainer joined
         # One thread: weights are written and PUBLISHed in version order while training goes on.
         self._publish_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlbus-publish")
         self._publishes: list = []
@@ -127,7 +129,7 @@ class Trainer:
             header["min_groups"] = c.data.batch_tasks if a.fill_batch else 1
         started = time.monotonic()
         while not self._stop:
-            reply = self.client.request(P.FETCH, header, timeout=c.trainer.fetch_wait_s + 30)
+            reply = self._request(P.FETCH, header, timeout=c.trainer.fetch_wait_s + 30)
             if reply.command == P.BATCH:
                 return reply, time.monotonic() - started
             waited = time.monotonic() - started
@@ -211,17 +213,44 @@ class Trainer:
         bind(step=self.step, policy_version=self.version)
         return True
 
+    def _request(self, command: str, header: dict, timeout: float = 30.0) -> P.Message:
+        """A request that outlasts a broker restart: past `timeout` it is logged and asked again.
+
+        FETCH (a step has one batch), COMMIT and PUBLISH (the same state again)
+        are idempotent, so asking again never trains or publishes twice.
+        """
+        while True:
+            try:
+                return self.client.request(command, header, timeout=timeout)
+            except TimeoutError:
+                if self._stop:
+                    raise
+                log.warning("broker_unreachable_waiting", command=command, waited_s=timeout)
+
     def _publish_async(self, version: int, step: int) -> None:
         """Snapshot the weights now; write, digest and PUBLISH them on the publishing thread, in order."""
         self._check_publishes()
+        if version <= self.broker_version:
+            # Resumed from a checkpoint older than what the broker already announced: explorers hold
+            # weights of the steps this trainer lost, which are newer by number. Publishing resumes
+            # with the first version above them (a PUBLISH below the announced one is a conflict).
+            log.info("publish_skipped", policy_version=version, announced_version=self.broker_version)
+            return
         snapshot = self.publisher.snapshot(self.model)
 
         def job() -> None:
             state = self.publisher.publish(snapshot, version, step)
-            self.client.request(P.PUBLISH, state)
+            try:
+                self._request(P.PUBLISH, state)
+            except BrokerError as exc:
+                if exc.code != "conflict":
+                    raise
+                log.warning("publish_refused", policy_version=version, reason=exc.message)
+                return
             log.info("weights_published", policy_version=version, location=state["location"])
 
-        self._publishes.append(self._publish_pool.submit(job))
+        # The publishing thread logs with this thread's bound context (component, peer, step).
+        self._publishes.append(self._publish_pool.submit(contextvars.copy_context().run, job))
 
     def _check_publishes(self, wait: bool = False) -> None:
         """Raise the error of a failed publish, if any; with `wait`, wait for all first."""
@@ -236,11 +265,11 @@ class Trainer:
     def _checkpoint_and_commit(self) -> None:
         every = self.cfg.trainer.checkpoint_every
         if every == 0:
-            self.client.request(P.COMMIT, {"step": self.step})
+            self._request(P.COMMIT, {"step": self.step})
         elif (self.step + 1) % every == 0:
             checkpoint.save(self.ckpt_dir, self.step, self.version, self.model, self.optimizer, self.scheduler,
                             self.cfg.trainer.keep_checkpoints)
-            self.client.request(P.COMMIT, {"step": self.step})
+            self._request(P.COMMIT, {"step": self.step})
 
     def _log_step(self, reply, batch, metrics, wait_s, compute_s, publish_s, total_s, published) -> None:
         rewards = batch.rewards if batch is not None else torch.empty(0)
@@ -271,7 +300,11 @@ class Trainer:
                                    heartbeat_interval_s=b.heartbeat_interval_s, liveness=b.liveness,
                                    policy_version=self.version, curve_server_key=b.curve_server_key,
                                    curve_client_key=b.curve_client_key)
-        self.client.start(timeout=60)
+        welcome = self.client.start(timeout=60)
+        self.broker_version = welcome["weights"]["version"]
+        if self.broker_version > self.version:
+            log.warning("trainer_behind_broker", policy_version=self.version, announced_version=self.broker_version,
+                        note="resumed from an older checkpoint; versions up to the announced one are not published")
         if hasattr(self.publisher, "attach"):
             self.publisher.attach(self.client)
         bind(peer=self.cfg.trainer.name, step=self.step, policy_version=self.version)
@@ -304,4 +337,8 @@ def run(cfg: RunConfig) -> None:
     trainer = Trainer(cfg, resolve_model(cfg.model.path, cfg.model.cache_dir))
     signal.signal(signal.SIGTERM, lambda *_: trainer.stop())
     signal.signal(signal.SIGINT, lambda *_: trainer.stop())
-    trainer.run()
+    try:
+        trainer.run()
+    except Exception as exc:  # the log says why the trainer ended, not only stderr
+        log.exception("trainer_failed", error=P.brief(exc))
+        raise

@@ -114,3 +114,38 @@ def test_lr_schedules_warm_up_then_keep_or_decay_to_the_floor():
     cosine = factors("trainer.lr_schedule=cosine", "trainer.min_lr_ratio=0.1")
     assert cosine[0] == 1.0 and cosine[5] == 0.55 and cosine[10:] == [0.1, 0.1]
     assert all(a >= b for a, b in zip(cosine, cosine[1:]))
+
+
+@pytest.mark.parametrize("is_mode", ["truncate", "mask"])
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_loss_and_gradients_do_not_depend_on_the_micro_batch(aggregation, is_mode):
+    """The trainer's split (each micro-batch weighted by its share of tokens or rows) sums to the whole batch,
+    also when the importance mask drops tokens."""
+    g = torch.Generator().manual_seed(0)
+    rows, time_ = 6, 5
+    mask = torch.rand(rows, time_, generator=g) > 0.3
+    mask[:, 0] = True
+    behaviour = -torch.rand(rows, time_, generator=g) * 2
+    adv = torch.randn(rows, generator=g)
+    cfg = LossConfig(is_mode=is_mode, is_low=0.7, is_high=1.3, is_cap=1.3, aggregation=aggregation)
+    by_tokens = aggregation == "token-mean"
+    total = mask.sum().item() if by_tokens else rows
+
+    def run(micro: int):
+        logp = (-torch.rand(rows, time_, generator=torch.Generator().manual_seed(1)) * 2).requires_grad_()
+        whole = 0.0
+        for start in range(0, rows, micro):
+            sl = slice(start, start + micro)
+            loss, m = policy_loss(logp[sl], logp[sl].detach() + 0.3 * behaviour[sl].abs(), behaviour[sl],
+                                  adv[sl], mask[sl], cfg)
+            assert 0.0 <= m["is_limited_fraction"] <= 1.0
+            share = (mask[sl].sum().item() if by_tokens else mask[sl].shape[0]) / total
+            (loss * share).backward()
+            whole += loss.item() * share
+        return whole, logp.grad.clone()
+
+    loss_1, grad_1 = run(rows)
+    for micro in (1, 2, 4):
+        loss_m, grad_m = run(micro)
+        assert loss_m == pytest.approx(loss_1, rel=1e-5, abs=1e-7)
+        assert torch.allclose(grad_m, grad_1, atol=1e-6)

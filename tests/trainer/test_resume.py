@@ -20,11 +20,11 @@ from tests.trainer.test_trainer import synthetic
 STEPS = 6
 
 
-def start_trainer(b, run_dir, tiny_model, log_path):
+def start_trainer(b, run_dir, tiny_model, log_path, steps=STEPS):
     args = [sys.executable, "-m", "common.cli", "trainer", "--broker", b.address]
     for s in ("broker.heartbeat_interval_s=0.2", f"run.dir={run_dir}", f"model.path={tiny_model}",
               "data.repeat=4", "data.batch_tasks=2", "sync.sync_style=async", "sync.max_staleness=100",
-              "trainer.lr=1e-3", "trainer.micro_batch=3", f"trainer.total_steps={STEPS}", "trainer.checkpoint_every=2",
+              "trainer.lr=1e-3", "trainer.micro_batch=3", f"trainer.total_steps={steps}", "trainer.checkpoint_every=2",
               "trainer.fetch_wait_s=1", "trainer.threads=1", "explorer.dtype=float32", "logging.format=json",
               f"logging.file={log_path}"):
         args += ["--set", s]
@@ -45,9 +45,9 @@ def delivered(b):
     return rows
 
 
-def feed(b, clients):
+def feed(b, clients, steps=STEPS):
     ex = clients(b, "explorer", "feeder")
-    for g in range(2 * STEPS):
+    for g in range(2 * steps):
         ex.put(synthetic(f"g{g}", batch=g // 2, seed=7), timeout=10)
 
 
@@ -89,3 +89,38 @@ def test_sigkill_and_resume_gives_the_weights_of_an_uninterrupted_run(broker_fac
     assert all(torch.equal(wa[k], wb[k]) for k in wa), "bitwise equal final weights"
     w0 = load_file(os.path.join(tiny_model, "model.safetensors"))
     assert any(not torch.equal(wa[k], w0[k]) for k in wa), "training changed the weights"
+
+
+def test_trainer_killed_two_steps_after_its_checkpoint_resumes_and_finishes(broker_factory, clients, tiny_model,
+                                                                           tmp_path):
+    """The broker announced a version newer than the checkpoint's: the resumed trainer skips publishing up to it
+    instead of failing on `conflict` at every restart."""
+    steps = 8
+    b = broker_factory("sync.sync_style=async", "sync.max_staleness=100", "data.repeat=4", "data.batch_tasks=2")
+    feed(b, clients, steps)
+    log_path = tmp_path / "t.jsonl"
+    proc = start_trainer(b, tmp_path / "run", tiny_model, log_path, steps)
+    tool = clients(b, "tool", "watch")
+    try:
+        deadline = time.monotonic() + 300
+        # Steps 4 and 5 done, version 6 announced; the newest checkpoint covers step 3.
+        while tool.request(P.STATUS).header["weights"]["version"] < 6 and time.monotonic() < deadline:
+            assert proc.poll() is None, "trainer exited early"
+            time.sleep(0.02)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    announced = tool.request(P.STATUS).header["weights"]["version"]
+    assert announced >= 6
+    proc = start_trainer(b, tmp_path / "run", tiny_model, log_path, steps)
+    assert proc.wait(300) == 0, "the resumed trainer finishes the run"
+    events = [json.loads(line) for line in log_path.read_text().splitlines()]
+    assert [e["step"] for e in events if e["event"] == "trainer_resumed"] == [4]
+    skipped = [e["policy_version"] for e in events if e["event"] == "publish_skipped"]
+    assert skipped and max(skipped) <= announced
+    assert tool.request(P.STATUS).header["weights"]["version"] == steps
+    groups = [g for gs in delivered(b).values() for g in gs]
+    assert len(groups) == len(set(groups)) == 2 * steps, "each group in exactly one step"
