@@ -9,8 +9,15 @@ Each test runs `python -I` in a fresh private directory with, in this order
    stdout and stderr, written to files), processes, open files, no core;
 4. Landlock: writes are allowed only beneath the private directory (reads
    are not restricted, Python needs its stdlib);
+5. seccomp: no signals to any other process (kill, tkill, tgkill,
+   rt_sigqueueinfo, rt_tgsigqueueinfo, pidfd_send_signal fail with EPERM) and
+   no ptrace or process_vm_writev, so code running as the reward process's
+   own user (a host where it is not root) cannot stop or alter it;
 
 and the parent kills the whole process group at the wall-clock timeout.
+Failure reasons come from what the parent observes (exit status, signal,
+CPU time used, the wall clock), never from what the program prints: stderr is
+only quoted.
 
 Where a layer is not available (no CAP_SYS_ADMIN for namespaces, a kernel
 without Landlock, not root so no drop to `nobody`), `capabilities()` says so,
@@ -45,12 +52,53 @@ log = structlog.get_logger()
 _libc = ctypes.CDLL(None, use_errno=True)
 CLONE_NEWNET = 0x40000000
 PR_SET_NO_NEW_PRIVS = 38
+PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
+SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO = 0x7FFF0000, 0x00050000
+# Syscalls that reach another process: signals, tracing, writing its memory (per architecture).
+_AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
+_CROSS_PROCESS = {
+    "x86_64": {"kill": 62, "tkill": 200, "tgkill": 234, "rt_sigqueueinfo": 129, "rt_tgsigqueueinfo": 297,
+               "pidfd_send_signal": 424, "ptrace": 101, "process_vm_writev": 311},
+    "aarch64": {"kill": 129, "tkill": 130, "tgkill": 131, "rt_sigqueueinfo": 138, "rt_tgsigqueueinfo": 240,
+                "pidfd_send_signal": 424, "ptrace": 117, "process_vm_writev": 271},
+}
 SYS_landlock_create_ruleset, SYS_landlock_add_rule, SYS_landlock_restrict_self = 444, 445, 446
 LANDLOCK_RULE_PATH_BENEATH = 1
 # Every write-like filesystem right of Landlock ABI 1-3 (truncate is ABI 3).
 _WRITE_RIGHTS_V1 = (1 << 1) | (1 << 4) | (1 << 5) | (1 << 6) | (1 << 7) | (1 << 8) | (1 << 9) | (1 << 10) | \
     (1 << 11) | (1 << 12)
 _REFER, _TRUNCATE = 1 << 13, 1 << 14
+
+
+class _SockFilter(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_uint16), ("filter", ctypes.POINTER(_SockFilter))]
+
+
+def _seccomp_program() -> ctypes.Array | None:
+    """A BPF filter answering EPERM to every cross-process syscall, or None on an unknown architecture."""
+    arch = os.uname().machine
+    if arch not in _CROSS_PROCESS:
+        return None
+    # BPF_LD|BPF_W|BPF_ABS, BPF_JMP|BPF_JEQ|BPF_K, BPF_JMP|BPF_JGE|BPF_K, BPF_RET|BPF_K
+    ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06
+    eperm = SECCOMP_RET_ERRNO | 1
+    numbers = sorted(_CROSS_PROCESS[arch].values())
+    n = len(numbers)
+    prog = [(ld, 0, 0, 4),  # seccomp_data.arch
+            (jeq, 1, 0, _AUDIT_ARCH[arch]),
+            (ret, 0, 0, eperm),  # another syscall ABI (i386 on x86_64): nothing of it is allowed
+            (ld, 0, 0, 0),  # seccomp_data.nr
+            (jge, n + 1, 0, 0x40000000)]  # the x32 ABI's numbers: denied too
+    prog += [(jeq, n - i, 0, nr) for i, nr in enumerate(numbers)]
+    prog += [(ret, 0, 0, SECCOMP_RET_ALLOW), (ret, 0, 0, eperm)]
+    return (_SockFilter * len(prog))(*[_SockFilter(*p) for p in prog])
+
+
+_SECCOMP = _seccomp_program()
 
 
 class _RulesetAttr(ctypes.Structure):
@@ -101,7 +149,7 @@ def capabilities() -> dict[str, bool]:
                             "sys.exit(0 if ctypes.CDLL(None).unshare(0x40000000) == 0 else 1)"],
                            capture_output=True)
     return {"network_namespace": probe.returncode == 0, "landlock": _landlock_abi() > 0,
-            "drop_to_nobody": os.geteuid() == 0}
+            "drop_to_nobody": os.geteuid() == 0, "no_signals": _SECCOMP is not None}
 
 
 def _confine(directory: str, limits: Limits, caps: dict[str, bool]) -> None:
@@ -133,30 +181,46 @@ def _confine(directory: str, limits: Limits, caps: dict[str, bool]) -> None:
         ok = ok and _libc.syscall(SYS_landlock_restrict_self, ruleset, 0) == 0
         if not ok:
             os._exit(98)
+    if caps["no_signals"]:
+        prog = _SockFprog(len(_SECCOMP), ctypes.cast(_SECCOMP, ctypes.POINTER(_SockFilter)))
+        if _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 or \
+                _libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0) != 0:
+            os._exit(96)
 
 
-def _reason(code: int | None, stderr: str, timed_out: bool, limits: Limits) -> str:
-    tail = stderr.strip().splitlines()[-1] if stderr.strip() else ""
-    if timed_out:
+@dataclass
+class Run:
+    """What the parent observed of one confined program."""
+
+    code: int | None  # exit code, or minus the signal that ended it
+    stdout: str
+    stderr: str
+    timed_out: bool
+    seconds: float
+    cpu_s: float  # user + system CPU time of the program
+
+
+def _reason(run: Run, limits: Limits) -> str:
+    """Why a program failed, from the exit status, the CPU time and the clock (never from its output:
+    a hostile program can print anything). Its last line of stderr is quoted as its own words."""
+    tail = run.stderr.strip().splitlines()[-1][:200] if run.stderr.strip() else ""
+    said = f": the program said {tail!r}" if tail else ""
+    code = run.code
+    if run.timed_out:
         return f"wall-clock timeout ({limits.wall_s} s)"
-    if code == -signal.SIGXCPU or code == -signal.SIGKILL and "Killed" not in tail:
+    if code == -signal.SIGXCPU or (code == -signal.SIGKILL and run.cpu_s >= limits.cpu_s):
         return f"CPU time limit ({limits.cpu_s} s)"
-    if code == -signal.SIGXFSZ or "File too large" in stderr:
+    if code == -signal.SIGXFSZ:
         return f"file or output size limit ({limits.file_mb} MB)"
-    if code in (97, 98):
-        return "sandbox could not be set up"
-    if "MemoryError" in stderr or "Cannot allocate memory" in stderr:
-        return f"memory limit ({limits.memory_mb} MB)"
-    if "BlockingIOError" in stderr or "Resource temporarily unavailable" in stderr:
-        return f"process limit ({limits.processes})"
-    if "Network is unreachable" in stderr or "NameResolution" in stderr or "Temporary failure in name" in stderr \
-            or "gaierror" in stderr:
-        return "network is not available in the sandbox"
-    if "PermissionError" in stderr or "Permission denied" in stderr:
-        return "write outside the sandbox directory denied"
-    if code and code < 0:
-        return f"killed by signal {-code}"
-    return f"exit code {code}: {tail[:200]}" if tail else f"exit code {code}"
+    if code in (96, 97, 98):
+        return f"sandbox could not be set up (exit code {code})"
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = str(-code)
+        return f"killed by signal {name}{said}"
+    return f"exit code {code}{said}"
 
 
 def _world_executable(path: str) -> bool:
@@ -177,17 +241,20 @@ def _interpreter(dropping: bool) -> str:
 
 
 class Sandbox:
-    def __init__(self, limits: Limits | None = None, root: str | None = None, python: str = ""):
+    def __init__(self, limits: Limits | None = None, root: str | None = None, python: str = "",
+                 without: tuple[str, ...] = ()):
+        """`without` names layers to leave out even where the host has them (tests use it to run as a
+        host without them would, e.g. `("drop_to_nobody",)` for a reward process that is not root)."""
         self.limits = limits or Limits()
         self.root = root
-        self.caps = capabilities()
+        self.caps = {k: v and k not in without for k, v in capabilities().items()}
         self.python = python or _interpreter(self.caps["drop_to_nobody"])
         missing = [k for k, v in self.caps.items() if not v]
         if missing:
             log.warning("sandbox_layers_missing", missing=missing)
 
-    def run_one(self, program: str, stdin: str = "") -> tuple[int | None, str, str, bool, float]:
-        """Run one program confined; returns (exit code, stdout, stderr, timed out, seconds)."""
+    def run_one(self, program: str, stdin: str = "") -> Run:
+        """Run one program confined, up to the wall-clock limit; what the parent saw of it."""
         work = Path(tempfile.mkdtemp(prefix="rlbus-sandbox-", dir=self.root))
         try:
             work.chmod(0o700)
@@ -205,36 +272,49 @@ class Sandbox:
                                     preexec_fn=lambda: _confine(str(work), self.limits, self.caps))
             out.close()
             err.close()
-            timed_out = False
-            try:
-                proc.wait(self.limits.wall_s)
-            except subprocess.TimeoutExpired:
-                timed_out = True
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # the whole group: whatever it forked too
-            except ProcessLookupError:
-                pass
-            proc.wait()
+            status, usage, timed_out = self._wait(proc, started + self.limits.wall_s)
             seconds = time.monotonic() - started
             cap = self.limits.file_mb << 20
             read = lambda name: (work / name).read_bytes()[:cap].decode("utf-8", "replace")  # noqa: E731
-            return proc.returncode, read("stdout.txt"), read("stderr.txt"), timed_out, seconds
+            return Run(os.waitstatus_to_exitcode(status), read("stdout.txt"), read("stderr.txt"), timed_out,
+                       seconds, usage.ru_utime + usage.ru_stime)
         finally:
             shutil.rmtree(work, ignore_errors=True)
+
+    @staticmethod
+    def _wait(proc: subprocess.Popen, deadline: float):
+        """Reap the program (with its resource usage) by the deadline, then kill its whole group."""
+        timed_out = False
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
+            if time.monotonic() >= deadline:
+                timed_out = True
+                os.killpg(proc.pid, signal.SIGKILL)
+                _, status, usage = os.wait4(proc.pid, 0)
+                break
+            time.sleep(0.005)
+        proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait again
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever it forked too
+        except (ProcessLookupError, PermissionError):
+            pass
+        return status, usage, timed_out
 
     def run_tests(self, code: str, tests: list[Any]) -> SandboxResult:
         results = []
         for test in tests:
             if isinstance(test, dict):
-                code_, stdout, stderr, timed_out, secs = self.run_one(code, str(test.get("input", "")))
-                ok = code_ == 0 and not timed_out and stdout.strip() == str(test.get("output", "")).strip()
-                reason = "" if ok else ("wrong output" if code_ == 0 and not timed_out
-                                        else _reason(code_, stderr, timed_out, self.limits))
+                run = self.run_one(code, str(test.get("input", "")))
+                ok = run.code == 0 and not run.timed_out and run.stdout.strip() == str(test.get("output", "")).strip()
+                reason = "" if ok else ("wrong output" if run.code == 0 and not run.timed_out
+                                        else _reason(run, self.limits))
             else:
-                code_, stdout, stderr, timed_out, secs = self.run_one(f"{code}\n\n{test}\n")
-                ok = code_ == 0 and not timed_out
-                reason = "" if ok else ("test failed: " + (stderr.strip().splitlines() or ["AssertionError"])[-1][:200]
-                                        if "AssertionError" in stderr else _reason(code_, stderr, timed_out,
-                                                                                  self.limits))
-            results.append(TestResult(ok, reason, secs))
+                run = self.run_one(f"{code}\n\n{test}\n")
+                ok = run.code == 0 and not run.timed_out
+                reason = "" if ok else _reason(run, self.limits)
+                if not ok and run.code == 1 and "AssertionError" in run.stderr:
+                    reason = "test failed: " + reason  # the test's assertion (the quote says which)
+            results.append(TestResult(ok, reason, run.seconds))
         return SandboxResult(sum(r.passed for r in results) / max(1, len(results)), results)

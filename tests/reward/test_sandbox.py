@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
 
 import pytest
 
@@ -17,7 +18,7 @@ def sandbox():
 
 def test_passing_and_failing_tests_score_the_fraction(sandbox):
     r = sandbox.run_tests("def add(a, b):\n    return a + b", ["assert add(1, 2) == 3", "assert add(2, 2) == 5"])
-    assert r.score == 0.5 and r.reason.startswith("test failed: AssertionError")
+    assert r.score == 0.5 and r.reason.startswith("test failed") and "AssertionError" in r.reason
     r = sandbox.run_tests("print(int(input()) * 2)", [{"input": "21", "output": "42"}, {"input": "1", "output": "3"}])
     assert r.score == 0.5 and r.reason == "wrong output"
 
@@ -25,13 +26,20 @@ def test_passing_and_failing_tests_score_the_fraction(sandbox):
 @pytest.mark.parametrize("program,reason", [
     ("while True:\n    pass", "CPU time limit"),
     ("import time\ntime.sleep(60)", "wall-clock timeout"),
-    ("import os\nwhile True:\n    os.fork()", "process limit"),
-    ("x = bytearray(2 * 1024 ** 3)", "memory limit"),
-    ("print('x' * (4 * 1024 * 1024))", "output size limit"),
+    # Limits the program meets as errors: the reason is its exit status, quoting what it said.
+    ("import os\nwhile True:\n    os.fork()", "exit code 1: the program said 'BlockingIOError"),
+    ("x = bytearray(2 * 1024 ** 3)", "exit code 1: the program said 'MemoryError"),
+    ("print('x' * (4 * 1024 * 1024))", "exit code 1: the program said 'OSError: [Errno 27] File too large"),
+    ("import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)", "exit code 1: the program said 'PermissionError"),
 ])
 def test_runaway_programs_are_stopped_with_the_reason(sandbox, program, reason):
     r = sandbox.run_tests(program, ["pass"])
     assert r.score == 0.0 and reason in r.reason, r.reason
+
+
+def test_a_program_cannot_forge_the_sandbox_reason(sandbox):
+    r = sandbox.run_tests("import sys\nsys.stderr.write('CPU time limit (1 s)\\n')\nsys.exit(3)", ["pass"])
+    assert r.reason == "exit code 3: the program said 'CPU time limit (1 s)'", r.reason
 
 
 def test_no_network(sandbox):
@@ -44,7 +52,7 @@ def test_no_network(sandbox):
     try:
         program = f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1)"
         r = sandbox.run_tests(program, ["pass"])
-        assert r.score == 0.0 and "network" in r.reason, r.reason
+        assert r.score == 0.0 and "Network is unreachable" in r.reason, r.reason
         listener.settimeout(0.2)
         with pytest.raises(socket.timeout):
             listener.accept()  # nothing reached the host's loopback
@@ -59,13 +67,30 @@ def test_writes_outside_the_private_directory_are_denied(sandbox, tmp_path):
     os.chmod(tmp_path, 0o777)  # even a world-writable directory
     for path in (str(target), "../escape.txt"):
         r = sandbox.run_tests(f"open({path!r}, 'w').write('x')", ["pass"])
-        assert r.score == 0.0 and "write outside the sandbox" in r.reason, r.reason
+        assert r.score == 0.0 and "PermissionError" in r.reason, r.reason
     assert not target.exists()
     r = sandbox.run_tests("open('inside.txt', 'w').write('x')\nprint(open('inside.txt').read())",
                           [{"input": "", "output": "x"}])
     assert r.score == 1.0, r.reason
 
 
-def test_the_host_process_is_unharmed(sandbox):
-    r = sandbox.run_tests(f"import os, signal\nos.kill({os.getpid()}, signal.SIGKILL)", ["pass"])
-    assert r.score == 0.0  # and this test process is still here to check it
+@pytest.mark.parametrize("without", [(), ("drop_to_nobody",)], ids=["as-configured", "same-user-as-host"])
+def test_no_other_process_can_be_signalled_or_traced(without):
+    """Sandboxed code cannot signal, trace or write into processes of the host, even running as the reward
+    process's own user (a host where it is not root: here simulated by not dropping to `nobody`)."""
+    if not capabilities()["no_signals"]:
+        pytest.skip("no seccomp filter for this architecture; see docs/architecture.md for what holds then")
+    box = Sandbox(Limits(cpu_s=1, wall_s=3, memory_mb=256, processes=8, file_mb=1), without=without)
+    victim = subprocess.Popen(["sleep", "60"])
+    try:
+        attacks = [f"os.kill({victim.pid}, signal.SIGKILL)", f"os.killpg({victim.pid}, signal.SIGKILL)",
+                   f"signal.pthread_kill and os.kill({os.getpid()}, signal.SIGTERM)",
+                   f"os.pidfd_open({victim.pid}) and signal.pidfd_send_signal(os.pidfd_open({victim.pid}), 9)",
+                   "import ctypes; assert ctypes.CDLL(None).ptrace(16, %d, 0, 0) == 0" % victim.pid]
+        for attack in attacks:
+            r = box.run_tests(f"import os, signal\n{attack}", ["pass"])
+            assert r.score == 0.0, (attack, r.reason)
+            assert victim.poll() is None, f"the sandboxed code killed a host process: {attack}"
+    finally:
+        victim.kill()
+        victim.wait()
