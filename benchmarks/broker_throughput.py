@@ -172,13 +172,15 @@ def bench_broker(args, data_dir: Path) -> tuple[float, list[float]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a short run (under 40 s)")
+    ap.add_argument("--smoke", action="store_true", help="a few PUTs only: checks that the benchmark runs")
     ap.add_argument("--producers", type=int, default=2)
     ap.add_argument("--per-put", type=int, default=64, help="trajectories per PUT message")
     ap.add_argument("--window", type=int, default=8, help="PUTs in flight per producer")
     ap.add_argument("--fsync", choices=["group", "off"], default="group")
     ap.add_argument("--profile", default="", help="write a cProfile of the broker process to this file")
     args = ap.parse_args()
-    args.per_producer = (20_000 if args.quick else 100_000) // args.per_put * args.per_put
+    args.per_producer = (4 * args.per_put if args.smoke else 20_000 if args.quick else 100_000) \
+        // args.per_put * args.per_put
     print(f"payload bytes per trajectory: {len(sample_payload())}", flush=True)
     raw = bench_raw(args)
     print(f"raw zmq push/pull, the same PUT messages: {raw:,.0f} traj/s", flush=True)

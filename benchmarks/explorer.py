@@ -42,7 +42,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", type=int, default=12)
     ap.add_argument("--reload-every", type=int, default=4, help="publish a checkpoint every K batches (0: never)")
+    ap.add_argument("--model", default="smollm2-135m", help="bundled model name or a model directory")
+    ap.add_argument("--smoke", action="store_true", help="2 batches, a load after each: checks that it runs")
     args = ap.parse_args()
+    if args.smoke:
+        args.batches, args.reload_every = 2, 1
 
     from common import protocol as P
     from common.client import BrokerClient
@@ -51,10 +55,10 @@ def main() -> None:
     from common.weights.digest import weights_digest
     from explorer.engine import Engine
     from explorer.main import Explorer
-    from explorer.models import prepare_bundled
+    from explorer.models import resolve_model
 
     setup_logging("bench", "warning", "json")
-    model = prepare_bundled("smollm2-135m")
+    model = Path(resolve_model(args.model))
     port, pub = free_port(), free_port()
     with tempfile.TemporaryDirectory(prefix="rlbus-bench-") as tmp:
         sets = [f"broker.port={port}", f"broker.pub_port={pub}", f"buffer.dir={tmp}", f"run.dir={tmp}",

@@ -14,6 +14,7 @@ step is the same work in every mode. From the logs of each run:
 - trainer_idle: share of step time the trainer waited for data;
 - explorer_idle: share of the explorers' wall time outside rollouts;
 - staleness_mean: mean (step - policy version) of the trained samples;
+- expired_share: share of all generated samples retired unused as too stale;
 - R and T: median rollout seconds per explorer batch and median training
   seconds per step (compute + publish), both from the synchronous run.
 
@@ -83,7 +84,16 @@ def measure(run_dir: Path, warmup: int) -> dict:
         rollouts += [b["rollout_s"] for b in batches]
     out["explorer_idle"] = round(statistics.mean(idle), 3) if idle else None
     out["R"] = round(statistics.median(rollouts), 3) if rollouts else None
+    out["expired_share"] = expired_share(run_dir)
     return out
+
+
+def expired_share(run_dir: Path) -> float | None:
+    """Share of all generated samples the broker retired as too stale (rollouts wasted), whole run."""
+    made = sum(b["samples"] for log in (run_dir / "logs").glob("explorer-*.jsonl")
+               for b in events(run_dir, log.stem, "explorer_batch"))
+    expired = sum(e["expired"] for e in events(run_dir, "broker", "groups_retired"))
+    return round(expired / made, 4) if made else None
 
 
 def main() -> None:
@@ -94,7 +104,10 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--keep", action="store_true", help="keep the run directories (printed)")
+    parser.add_argument("--smoke", action="store_true", help="2 steps of the synchronous mode: checks that it runs")
     args = parser.parse_args()
+    if args.smoke:
+        args.modes, args.steps, args.warmup = "synchronous", 2, 0
     steps = args.steps or (6 if args.quick else 20)
     root = Path(tempfile.mkdtemp(prefix="rlbus-modes-"))
     results = {}

@@ -118,7 +118,10 @@ def main() -> None:
     ap.add_argument("--execs", type=int, default=60)
     ap.add_argument("--pairs", type=int, default=128)
     ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--smoke", action="store_true", help="a few of each: checks that the benchmark runs")
     args = ap.parse_args()
+    if args.smoke:
+        args.execs, args.pairs, args.batch = 2, 4, 2
     sandboxed, bare = bench_code(args.execs)
     print(f"code: sandboxed {sandboxed:.1f} exec/s, bare subprocess {bare:.1f} exec/s ({sandboxed / bare:.2f}x)")
     via_worker = bench_code_via_worker(args.execs)

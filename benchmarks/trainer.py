@@ -30,7 +30,11 @@ from benchmarks.harness import broker_process, free_port  # noqa: E402
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--model", default="smollm2-135m", help="bundled model name or a model directory")
+    ap.add_argument("--smoke", action="store_true", help="one timed step: checks that the benchmark runs")
     args = ap.parse_args()
+    if args.smoke:
+        args.steps = 1
 
     import numpy as np
     from structlog.testing import capture_logs
@@ -38,10 +42,10 @@ def main() -> None:
     from common.client import BrokerClient
     from common.config import load_config
     from common.trajectory import encode_payload
-    from explorer.models import prepare_bundled
+    from explorer.models import resolve_model
     from trainer.main import Trainer
 
-    model = str(prepare_bundled("smollm2-135m"))
+    model = str(resolve_model(args.model))
     port, pub = free_port(), free_port()
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory(prefix="rlbus-bench-") as tmp:

@@ -135,8 +135,12 @@ class Fleet:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--versions", type=int, default=3, help="versions timed per method and K")
-    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--model", default="smollm2-135m", help="bundled model name or a model directory")
+    ap.add_argument("--max-k", type=int, default=2, help="explorers at the most (1 or 2)")
+    ap.add_argument("--smoke", action="store_true", help="one version per method, one explorer")
     args = ap.parse_args()
+    if args.smoke:
+        args.versions, args.max_k = 1, 1
 
     import torch
     from transformers import AutoModelForCausalLM
@@ -169,7 +173,7 @@ def main() -> None:
         fleet = Fleet(f"tcp://127.0.0.1:{port}", pub_port, args.model, logs)
         version = 0
         try:
-            for k in (1, 2):
+            for k in range(1, args.max_k + 1):
                 fleet.add(f"explorer-{k}")
                 names = [f"explorer-{i}" for i in range(1, k + 1)]
                 deadline = time.monotonic() + 300

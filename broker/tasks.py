@@ -31,7 +31,8 @@ class Lease:
     expires: float
 
 
-def refusal(sync, batch_index: int, version: int, trainer_step: int, queued_steps: int) -> tuple[str, int] | None:
+def refusal(sync, batch_index: int, version: int, trainer_step: int, queued_steps: int,
+            next_step: int | None = None) -> tuple[str, int] | None:
     """Why an explorer holding `version` may not generate `batch_index` now, or None (admission control).
 
     ("version", need): its weights are too old; it must load `need` first
@@ -40,6 +41,9 @@ def refusal(sync, batch_index: int, version: int, trainer_step: int, queued_step
     data generated now would be staler than max_staleness by the time the
     trainer reaches it, `queued_steps` of data being queued or leased ahead;
     newer weights would not help, so it backs off until the trainer catches up.
+    `next_step` is the first step that can still take new data (the trainer's
+    step, or the one after it once that step's batch is delivered): data made
+    now is trained at `next_step + queued_steps` at the earliest.
     """
     floor = max(0, trainer_step - sync.max_staleness)
     if sync.sync_style == "lockstep":
@@ -47,7 +51,8 @@ def refusal(sync, batch_index: int, version: int, trainer_step: int, queued_step
         return None if version >= need else ("version", need)
     if version < floor:
         return "version", floor
-    return ("ahead", 0) if trainer_step + queued_steps - version > sync.max_staleness else None
+    first = trainer_step if next_step is None else next_step
+    return ("ahead", 0) if first + queued_steps - version > sync.max_staleness else None
 
 
 _LEASE_ID = re.compile(r"t([0-9]{1,15})\.[0-9]{1,15}", re.ASCII)  # ASCII digits only: int() must agree

@@ -71,7 +71,7 @@ def up(config: ConfigArg = None, set: SetOpt = None) -> None:
 @app.command()
 def explorer(config: ConfigArg = None, set: SetOpt = None,
              broker: Annotated[Optional[str], typer.Option(help="Broker address, e.g. tcp://HOST:5555.")] = None,
-             name: Annotated[Optional[str], typer.Option(help="Peer name (default: explorer-HOST-PID).")] = None,
+             name: Annotated[Optional[str], typer.Option(help="Peer name (default: explorer-HOST-PID-TAG, unique to this start).")] = None,
              ) -> None:
     """Run an explorer: vLLM rollouts of leased tasks, trajectories to the broker."""
     sets = list(set or [])
@@ -104,7 +104,7 @@ def trainer(config: ConfigArg = None, set: SetOpt = None,
 @app.command()
 def reward(config: ConfigArg = None, set: SetOpt = None,
            broker: Annotated[Optional[str], typer.Option(help="Broker address, e.g. tcp://HOST:5555.")] = None,
-           name: Annotated[Optional[str], typer.Option(help="Peer name (default: reward-HOST-N).")] = None,
+           name: Annotated[Optional[str], typer.Option(help="Peer name (default: reward-HOST-PID-TAG, unique to this start).")] = None,
            service: Annotated[Optional[list[str]], typer.Option(help="A service to offer (repeat; default "
                                                                      "reward.services).")] = None) -> None:
     """Run a reward worker: serve reward services (math, code, rm, plugins) to explorers through the broker."""

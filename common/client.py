@@ -387,7 +387,6 @@ class BrokerClient:
         """HELLO (again): until WELCOME comes back, requests wait in the held queue."""
         self._welcome_ok = False
         self._hello_req = next(self._ids)
-        self._hello_at = time.monotonic()
         self._send(P.HELLO, {"req": self._hello_req, "role": self.role, "name": self.name, "pid": os.getpid(),
                              "host": socket.gethostname(), "session": self.session,
                              "policy_version": self.policy_version, "capabilities": self.capabilities})

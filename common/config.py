@@ -255,6 +255,9 @@ class TrainerConfig(Section):
     CPUs with AVX512-BF16 or AMX)."""
     fetch_wait_s: float = Field(5.0, gt=0)
     """How long one FETCH waits at the broker for enough groups before asking again."""
+    broker_timeout_s: float = Field(30.0, gt=0)
+    """How long the trainer waits for one reply from the broker before logging `broker_unreachable_waiting`
+    and asking again. The trainer never gives up: a broker restart of any length only pauses training."""
 
 
 class RewardTerm(Section):

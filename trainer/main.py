@@ -129,7 +129,7 @@ class Trainer:
             header["min_groups"] = c.data.batch_tasks if a.fill_batch else 1
         started = time.monotonic()
         while not self._stop:
-            reply = self._request(P.FETCH, header, timeout=c.trainer.fetch_wait_s + 30)
+            reply = self._request(P.FETCH, header, timeout=c.trainer.fetch_wait_s + c.trainer.broker_timeout_s)
             if reply.command == P.BATCH:
                 return reply, time.monotonic() - started
             waited = time.monotonic() - started
@@ -213,12 +213,13 @@ class Trainer:
         bind(step=self.step, policy_version=self.version)
         return True
 
-    def _request(self, command: str, header: dict, timeout: float = 30.0) -> P.Message:
+    def _request(self, command: str, header: dict, timeout: float | None = None) -> P.Message:
         """A request that outlasts a broker restart: past `timeout` it is logged and asked again.
 
         FETCH (a step has one batch), COMMIT and PUBLISH (the same state again)
         are idempotent, so asking again never trains or publishes twice.
         """
+        timeout = timeout or self.cfg.trainer.broker_timeout_s
         while True:
             try:
                 return self.client.request(command, header, timeout=timeout)

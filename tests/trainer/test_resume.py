@@ -20,11 +20,11 @@ from tests.trainer.test_trainer import synthetic
 STEPS = 6
 
 
-def start_trainer(b, run_dir, tiny_model, log_path, steps=STEPS):
+def start_trainer(b, run_dir, tiny_model, log_path, steps=STEPS, checkpoint_every=2):
     args = [sys.executable, "-m", "common.cli", "trainer", "--broker", b.address]
     for s in ("broker.heartbeat_interval_s=0.2", f"run.dir={run_dir}", f"model.path={tiny_model}",
               "data.repeat=4", "data.batch_tasks=2", "sync.sync_style=async", "sync.max_staleness=100",
-              "trainer.lr=1e-3", "trainer.micro_batch=3", f"trainer.total_steps={steps}", "trainer.checkpoint_every=2",
+              "trainer.lr=1e-3", "trainer.micro_batch=3", f"trainer.total_steps={steps}", f"trainer.checkpoint_every={checkpoint_every}",
               "trainer.fetch_wait_s=1", "trainer.threads=1", "explorer.dtype=float32", "logging.format=json",
               f"logging.file={log_path}"):
         args += ["--set", s]
@@ -36,6 +36,19 @@ def steps_logged(path):
         return []
     return [json.loads(line)["step"] for line in path.read_text().splitlines()
             if '"train_step"' in line]
+
+
+def kill_when(proc, condition, timeout: float = 300) -> None:
+    """SIGKILL the trainer as soon as `condition()` holds (it must not exit before)."""
+    try:
+        deadline = time.monotonic() + timeout
+        while not condition() and time.monotonic() < deadline:
+            assert proc.poll() is None, "trainer exited early"
+            time.sleep(0.02)
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
 
 
 def delivered(b):
@@ -62,17 +75,7 @@ def test_sigkill_and_resume_gives_the_weights_of_an_uninterrupted_run(broker_fac
     b = broker_factory(*sets)
     feed(b, clients)
     proc = start_trainer(b, tmp_path / "b", tiny_model, tmp_path / "b.jsonl")
-    try:
-        deadline = time.monotonic() + 300
-        while 4 not in steps_logged(tmp_path / "b.jsonl") and time.monotonic() < deadline:
-            assert proc.poll() is None, "trainer exited early"
-            time.sleep(0.02)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(10)
-    finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+    kill_when(proc, lambda: 4 in steps_logged(tmp_path / "b.jsonl"))
     proc = start_trainer(b, tmp_path / "b", tiny_model, tmp_path / "b.jsonl")
     assert proc.wait(300) == 0
     logged = steps_logged(tmp_path / "b.jsonl")
@@ -99,23 +102,13 @@ def test_trainer_killed_two_steps_after_its_checkpoint_resumes_and_finishes(brok
     b = broker_factory("sync.sync_style=async", "sync.max_staleness=100", "data.repeat=4", "data.batch_tasks=2")
     feed(b, clients, steps)
     log_path = tmp_path / "t.jsonl"
-    proc = start_trainer(b, tmp_path / "run", tiny_model, log_path, steps)
+    proc = start_trainer(b, tmp_path / "run", tiny_model, log_path, steps, checkpoint_every=4)
     tool = clients(b, "tool", "watch")
-    try:
-        deadline = time.monotonic() + 300
-        # Steps 4 and 5 done, version 6 announced; the newest checkpoint covers step 3.
-        while tool.request(P.STATUS).header["weights"]["version"] < 6 and time.monotonic() < deadline:
-            assert proc.poll() is None, "trainer exited early"
-            time.sleep(0.02)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(10)
-    finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+    # Steps 4 and 5 done, version 6 announced; the newest checkpoint covers step 3 (the next one, step 7).
+    kill_when(proc, lambda: tool.request(P.STATUS).header["weights"]["version"] >= 6)
     announced = tool.request(P.STATUS).header["weights"]["version"]
-    assert announced >= 6
-    proc = start_trainer(b, tmp_path / "run", tiny_model, log_path, steps)
+    assert 6 <= announced <= 7
+    proc = start_trainer(b, tmp_path / "run", tiny_model, log_path, steps, checkpoint_every=4)
     assert proc.wait(300) == 0, "the resumed trainer finishes the run"
     events = [json.loads(line) for line in log_path.read_text().splitlines()]
     assert [e["step"] for e in events if e["event"] == "trainer_resumed"] == [4]
@@ -124,3 +117,45 @@ def test_trainer_killed_two_steps_after_its_checkpoint_resumes_and_finishes(brok
     assert tool.request(P.STATUS).header["weights"]["version"] == steps
     groups = [g for gs in delivered(b).values() for g in gs]
     assert len(groups) == len(set(groups)) == 2 * steps, "each group in exactly one step"
+
+
+def test_trainer_waits_out_a_broker_outage_longer_than_its_request_timeout(broker_factory, clients, tiny_model,
+                                                                           tmp_path):
+    """The broker is SIGKILLed and stays down for several request timeouts: the trainer waits, logs it,
+    and finishes the run once the broker is back on the same data."""
+    steps = 4
+    b = broker_factory("sync.sync_style=async", "sync.max_staleness=100", "data.repeat=4", "data.batch_tasks=2")
+    log_path = tmp_path / "t.jsonl"
+    args = [sys.executable, "-m", "common.cli", "trainer", "--broker", b.address]
+    for s in ("broker.heartbeat_interval_s=0.2", f"run.dir={tmp_path / 'run'}", f"model.path={tiny_model}",
+              "data.repeat=4", "data.batch_tasks=2", "sync.sync_style=async", "sync.max_staleness=100",
+              "trainer.micro_batch=4", f"trainer.total_steps={steps}", "trainer.checkpoint_every=0",
+              "trainer.fetch_wait_s=0.5", "trainer.broker_timeout_s=1", "trainer.threads=1",
+              "explorer.dtype=float32", "logging.format=json", f"logging.file={log_path}"):
+        args += ["--set", s]
+    proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        watch = clients(b, "tool", "watch")
+        deadline = time.monotonic() + 120
+        while "trainer" not in {p["name"] for p in watch.request(P.STATUS).header["peers"]}:
+            assert proc.poll() is None and time.monotonic() < deadline, "the trainer did not connect"
+            time.sleep(0.2)
+        b.kill(signal.SIGKILL)  # the trainer is connected and waiting for data: take the broker away
+        while "broker_unreachable_waiting" not in events_of(log_path):
+            assert proc.poll() is None, "the trainer exited while the broker was away"
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        time.sleep(3)  # three more request timeouts
+        assert proc.poll() is None, "the trainer exited while the broker was away"
+        b.start()
+        feed(b, clients, steps)
+        assert proc.wait(120) == 0
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    assert steps_logged(log_path) == list(range(steps))
+
+
+def events_of(path) -> list[str]:
+    return [json.loads(line)["event"] for line in path.read_text().splitlines()] if path.exists() else []

@@ -1,0 +1,182 @@
+"""A whole run under faults: explorers, the trainer and the broker SIGKILLed and restarted at seeded points.
+
+A broker, a trainer and three explorers (tiny model, fully async,
+`max_staleness` 2, a checkpoint every 2 steps) run as separate processes.
+In the order a seeded draw gives, the test kills and restarts: an explorer
+(back under its old name), the trainer one step after its newest checkpoint
+and, later, two steps after it, and the broker, which stays away for longer
+than the trainer's request timeout; a newcomer explorer joins half way. Then,
+from the logs and the buffer: the run finishes; no trained sample was staler
+than the bound; no group is in two committed steps; every stored trajectory
+is committed, retired or still waiting (nothing ACKed is lost); and no
+process of the run is left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from broker.store import Store
+from common import protocol as P
+from tests.conftest import REPO
+
+STEPS = 14
+STALENESS = 2
+
+
+class Proc:
+    """One component in its own session (so a kill takes its vLLM engine processes too)."""
+
+    def __init__(self, args: list[str], log: Path):
+        self.args, self.log = args, log
+        self.popen: subprocess.Popen | None = None
+        self.started: list[subprocess.Popen] = []
+
+    def start(self) -> "Proc":
+        self.popen = subprocess.Popen(self.args, cwd=REPO, stdout=subprocess.DEVNULL,
+                                      stderr=open(self.log, "a"), start_new_session=True)
+        self.started.append(self.popen)
+        return self
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        for p in self.started:
+            try:
+                os.killpg(p.pid, sig)
+            except ProcessLookupError:
+                pass
+        for p in self.started:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(10)
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+
+def cli(component: str, run: Path, ports: tuple[int, int], *extra: str) -> list[str]:
+    sets = [f"run.dir={run}", f"buffer.dir={run / 'buffer'}", f"broker.port={ports[0]}", f"broker.pub_port={ports[1]}",
+            "broker.host=127.0.0.1", f"broker.address=tcp://127.0.0.1:{ports[0]}", "broker.heartbeat_interval_s=0.2",
+            "broker.liveness=5", "broker.lease_timeout_s=20", "sync.sync_style=async",
+            f"sync.max_staleness={STALENESS}", "data.repeat=4", "data.batch_tasks=2", f"trainer.total_steps={STEPS}",
+            "trainer.checkpoint_every=2", "trainer.micro_batch=8", "trainer.fetch_wait_s=0.5",
+            "trainer.broker_timeout_s=1", "trainer.threads=1", "explorer.dtype=float32",
+            "explorer.memory_fraction=0.05", "explorer.max_tokens=8", "explorer.tasks_per_lease=2",
+            "explorer.eval_every=0", "algorithm.skip_zero_spread=false", "logging.format=json", *extra]
+    return [sys.executable, "-m", "common.cli", component, *[x for s in sets for x in ("--set", s)]]
+
+
+def events(path: Path, event: str) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines() if f'"{event}"' in x]
+
+
+def wait_until(what: str, check, procs: list[Proc], timeout: float = 150) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            tails = {p.log.name: p.log.read_text()[-1500:] for p in procs if p.log.exists()}
+            raise AssertionError(f"timed out waiting for {what}: {tails}")
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_a_run_survives_kills_of_every_component(tiny_model, tmp_path):
+    from tests.conftest import free_port
+
+    rng = random.Random(11)
+    run = tmp_path / "run"
+    logs = run / "logs"
+    logs.mkdir(parents=True)
+    ports = (free_port(), free_port())
+    model = f"model.path={tiny_model}"
+    broker = Proc(cli("broker", run, ports, f"logging.file={logs / 'broker.jsonl'}"), tmp_path / "broker.err")
+    trainer_log = logs / "trainer.jsonl"
+    trainer = Proc(cli("trainer", run, ports, model, f"logging.file={trainer_log}"), tmp_path / "trainer.err")
+
+    def explorer(name: str) -> Proc:
+        args = cli("explorer", run, ports, model, f"logging.file={logs / (name + '.jsonl')}") + ["--name", name]
+        return Proc(args, tmp_path / f"{name}.err")
+
+    explorers = {n: explorer(n) for n in ("ex-a", "ex-b", "ex-c")}
+    everyone = [broker, trainer, *explorers.values()]
+    steps = lambda: [e["step"] for e in events(trainer_log, "train_step")]  # noqa: E731
+    try:
+        broker.start()
+        wait_until("the broker", lambda: (run / "buffer" / "endpoints.json").exists(), everyone)
+        for p in explorers.values():
+            p.start()
+        trainer.start()
+        # The faults, in a seeded order, each at a step of the run.
+        faults = ["explorer", "broker"]
+        rng.shuffle(faults)
+        plan = [(2, faults[0]), (4, "trainer_1"), (7, faults[1]), (9, "newcomer"), (10, "trainer_2")]
+        for at, fault in plan:
+            wait_until(f"step {at}", lambda: len(steps()) and max(steps()) >= at, everyone)
+            if fault == "explorer":
+                victim = explorers[rng.choice(sorted(explorers))]
+                victim.kill()
+                victim.start()  # under its old name
+            elif fault == "broker":
+                broker.kill()
+                time.sleep(4)  # longer than the trainer's request timeout (1 s) and the peers' liveness window
+                broker.start()
+            elif fault == "newcomer":
+                explorers["ex-d"] = explorer("ex-d").start()
+                everyone.append(explorers["ex-d"])
+            else:
+                # Checkpoints cover steps 1, 3, 5, ...: kill one (trainer_1) or two (trainer_2) steps past one.
+                distance = int(fault[-1])
+                wait_until(f"step {at + distance - 1}", lambda: max(steps()) >= at + distance - 1, everyone)
+                trainer.kill()
+                trainer.start()
+        wait_until("the trainer to finish", lambda: not trainer.alive(), everyone, timeout=240)
+        assert trainer.popen.returncode == 0, (tmp_path / "trainer.err").read_text()[-3000:]
+        for p in explorers.values():
+            p.kill(signal.SIGTERM)
+        broker.kill(signal.SIGTERM)
+    finally:
+        for p in everyone:
+            p.kill()
+    # Every process of the run, engines included, is gone.
+    for p in everyone:
+        for popen in p.started:
+            with pytest.raises(ProcessLookupError):
+                os.killpg(popen.pid, 0)
+
+    train_steps = events(trainer_log, "train_step")
+    assert sorted({e["step"] for e in train_steps}) == list(range(STEPS)), "the run finished every step"
+    worst = max((int(k) for e in train_steps for k in e["staleness"]), default=0)
+    assert worst <= STALENESS, f"a step trained on data {worst} versions old"
+    resumed = [e["step"] for e in events(trainer_log, "trainer_resumed")]
+    assert len(resumed) == 2
+    db = sqlite3.connect(run / "buffer" / "buffer.sqlite3")
+    committed = [g for (groups,) in db.execute("SELECT groups FROM batches WHERE committed=1")
+                 for g in P.unpack(groups)]
+    db.close()
+    assert len(committed) == len(set(committed)), "a group was in two committed steps"
+    store = Store(run / "buffer", cache_bytes=0)
+    try:
+        stored = sum(len(g.trajs) for g in store.groups.values())
+        c = store.counts
+        assert stored == c["stored"]
+        assert c["committed"] + c["expired"] + c["skipped"] + store.depth == stored, "a stored trajectory is lost"
+        for g in store.groups.values():
+            for t in g.trajs:
+                store.payload(t)  # every payload is readable and passes its CRC
+    finally:
+        store.close()
+    names = {e["peer"] for e in events(logs / "broker.jsonl", "peer_joined") if e["role"] == "explorer"}
+    assert names == {"ex-a", "ex-b", "ex-c", "ex-d"}
