@@ -25,6 +25,7 @@ class Peer:
     info: dict[str, Any] = field(default_factory=dict)
     last_sent: float = 0.0
     starved: bool = False  # given zero credit: owed a CREDIT when room frees up
+    fetched: bool = False  # a trainer that has FETCHed since it said HELLO: its steps advance one at a time
 
 
 class Peers:

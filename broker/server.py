@@ -413,10 +413,11 @@ class Broker:
                 "code": "conflict", "message": f"step {step} was committed already (last committed: "
                                                f"{self.store.committed_step}); fetch a later step"})
         newest = max(self.trainer_step, self.store.committed_step)
-        if step > newest + 1:
+        if peer.fetched and step > newest + 1:  # a trainer's first FETCH says where it (re)starts
             return self._reply(peer.identity, msg, P.ERROR, {
                 "code": "conflict", "message": f"step {step} skips steps: the trainer's last step here is "
                                                f"{newest}; steps advance one at a time"})
+        peer.fetched = True
         if step > self.trainer_step:
             self.trainer_step = step  # made durable with the batch delivered for it
         retired = self._try_fetch(peer.identity, msg)

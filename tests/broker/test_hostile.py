@@ -116,9 +116,9 @@ def test_fetch_steps_cannot_overflow_or_skip_ahead(broker_factory, clients):
     tr = clients(b, "trainer", "tr")
     with pytest.raises(BrokerError, match="bad_field"):
         tr.request(P.FETCH, {"step": 1 << 63, "max_groups": 1})
+    batch = tr.request(P.FETCH, {"step": 0, "max_groups": 1})
     with pytest.raises(BrokerError, match="conflict.*one at a time"):
         tr.request(P.FETCH, {"step": 1 << 52, "max_groups": 1})
-    batch = tr.request(P.FETCH, {"step": 0, "max_groups": 1})
     assert [g["group_id"] for g in batch.header["groups"]] == ["g"]
     assert ex.request(P.LEASE, {"max_tasks": 1, "policy_version": 0}).command == P.TASKS
 
