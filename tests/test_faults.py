@@ -1,11 +1,11 @@
 """A whole run under faults: explorers, the trainer and the broker SIGKILLed and restarted at seeded points.
 
 A broker, a trainer and three explorers (tiny model, fully async,
-`max_staleness` 2, a checkpoint every 2 steps) run as separate processes.
-In the order a seeded draw gives, the test kills and restarts: an explorer
-(back under its old name), the trainer one step after its newest checkpoint
+`max_staleness` 2, a checkpoint every 3 steps) run as separate processes.
+At given steps the test kills and restarts: an explorer drawn by a seeded
+generator (back under its old name), the trainer one step after its newest checkpoint
 and, later, two steps after it, and the broker, which stays away for longer
-than the trainer's request timeout; a newcomer explorer joins half way. Then,
+than the trainer's request timeout; a newcomer explorer joins as it comes. Then,
 from the logs and the buffer: the run finishes; no trained sample was staler
 than the bound; no group is in two committed steps; every stored trajectory
 is committed, retired or still waiting (nothing ACKed is lost); and no
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 import random
 import signal
 import sqlite3
@@ -30,8 +31,9 @@ from broker.store import Store
 from common import protocol as P
 from tests.conftest import REPO
 
-STEPS = 14
+STEPS = 16
 STALENESS = 2
+CHECKPOINT_EVERY = 3  # checkpoints cover steps 2, 5, 8, 11, ...
 
 
 class Proc:
@@ -49,20 +51,33 @@ class Proc:
         return self
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Signal every process group this component ever had, and wait until each group is empty
+        (the vLLM engine processes too); SIGKILL whatever is left after 30 s."""
         for p in self.started:
             try:
                 os.killpg(p.pid, sig)
             except ProcessLookupError:
                 pass
         for p in self.started:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
+            if not group_gone(p, 30):
                 os.killpg(p.pid, signal.SIGKILL)
-                p.wait(10)
+                group_gone(p, 10)
 
     def alive(self) -> bool:
         return self.popen is not None and self.popen.poll() is None
+
+
+def group_gone(p: subprocess.Popen, timeout: float) -> bool:
+    """Reap the leader and wait for its process group to empty."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        p.poll()
+        try:
+            os.killpg(p.pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def cli(component: str, run: Path, ports: tuple[int, int], *extra: str) -> list[str]:
@@ -70,9 +85,9 @@ def cli(component: str, run: Path, ports: tuple[int, int], *extra: str) -> list[
             "broker.host=127.0.0.1", f"broker.address=tcp://127.0.0.1:{ports[0]}", "broker.heartbeat_interval_s=0.2",
             "broker.liveness=5", "broker.lease_timeout_s=20", "sync.sync_style=async",
             f"sync.max_staleness={STALENESS}", "data.repeat=4", "data.batch_tasks=2", f"trainer.total_steps={STEPS}",
-            "trainer.checkpoint_every=2", "trainer.micro_batch=8", "trainer.fetch_wait_s=0.5",
+            f"trainer.checkpoint_every={CHECKPOINT_EVERY}", "trainer.micro_batch=8", "trainer.fetch_wait_s=0.5",
             "trainer.broker_timeout_s=1", "trainer.threads=1", "explorer.dtype=float32",
-            "explorer.memory_fraction=0.05", "explorer.max_tokens=8", "explorer.tasks_per_lease=2",
+            "explorer.memory_fraction=0.1", "explorer.max_tokens=48", "explorer.tasks_per_lease=2",
             "explorer.eval_every=0", "algorithm.skip_zero_spread=false", "logging.format=json", *extra]
     return [sys.executable, "-m", "common.cli", component, *[x for s in sets for x in ("--set", s)]]
 
@@ -118,17 +133,20 @@ def test_a_run_survives_kills_of_every_component(tiny_model, tmp_path):
         wait_until("the broker", lambda: (run / "buffer" / "endpoints.json").exists(), everyone)
         for p in explorers.values():
             p.start()
+        # The trainer starts once every explorer has joined, so the faults land mid-run.
+        joined = lambda: {e["peer"] for e in events(logs / "broker.jsonl", "peer_joined")}  # noqa: E731
+        wait_until("the explorers", lambda: set(explorers) <= joined(), everyone, timeout=180)
         trainer.start()
-        # The faults, in a seeded order, each at a step of the run.
-        faults = ["explorer", "broker"]
-        rng.shuffle(faults)
-        plan = [(2, faults[0]), (4, "trainer_1"), (7, faults[1]), (9, "newcomer"), (10, "trainer_2")]
+        # The faults, each once the trainer has logged a given step (the explorer killed is drawn from a
+        # seeded generator). The trainer is killed one step (step 9, checkpoint 8) and two steps (step 13,
+        # checkpoint 11) past a checkpoint; the broker in between.
+        plan = [(1, "newcomer"), (2, "explorer"), (9, "trainer"), (11, "broker"), (13, "trainer")]
         for at, fault in plan:
             wait_until(f"step {at}", lambda: len(steps()) and max(steps()) >= at, everyone)
             if fault == "explorer":
-                victim = explorers[rng.choice(sorted(explorers))]
-                victim.kill()
-                victim.start()  # under its old name
+                victim = rng.choice(["ex-a", "ex-b", "ex-c"])  # one that is generating (not the newcomer)
+                explorers[victim].kill()
+                explorers[victim].start()  # under its old name
             elif fault == "broker":
                 broker.kill()
                 time.sleep(4)  # longer than the trainer's request timeout (1 s) and the peers' liveness window
@@ -137,31 +155,33 @@ def test_a_run_survives_kills_of_every_component(tiny_model, tmp_path):
                 explorers["ex-d"] = explorer("ex-d").start()
                 everyone.append(explorers["ex-d"])
             else:
-                # Checkpoints cover steps 1, 3, 5, ...: kill one (trainer_1) or two (trainer_2) steps past one.
-                distance = int(fault[-1])
-                wait_until(f"step {at + distance - 1}", lambda: max(steps()) >= at + distance - 1, everyone)
                 trainer.kill()
                 trainer.start()
         wait_until("the trainer to finish", lambda: not trainer.alive(), everyone, timeout=240)
         assert trainer.popen.returncode == 0, (tmp_path / "trainer.err").read_text()[-3000:]
+        # The newcomer and the restarted explorer join (their engines start at their own pace).
+        back = lambda: [e["ts"] for e in events(logs / f"{victim}.jsonl", "engine_started")][1:]  # noqa: E731
+        wait_until("the newcomer and the restarted explorer", lambda: "ex-d" in joined() and back() and any(
+            e["peer"] == victim and e["ts"] > back()[0] for e in events(logs / "broker.jsonl", "peer_joined")),
+            everyone)
         for p in explorers.values():
             p.kill(signal.SIGTERM)
         broker.kill(signal.SIGTERM)
     finally:
         for p in everyone:
             p.kill()
-    # Every process of the run, engines included, is gone.
-    for p in everyone:
-        for popen in p.started:
-            with pytest.raises(ProcessLookupError):
-                os.killpg(popen.pid, 0)
+    # Every process of the run, engines included, is gone (each group emptied after its last signal).
+    assert all(group_gone(popen, 0.1) for p in everyone for popen in p.started)
 
     train_steps = events(trainer_log, "train_step")
     assert sorted({e["step"] for e in train_steps}) == list(range(STEPS)), "the run finished every step"
     worst = max((int(k) for e in train_steps for k in e["staleness"]), default=0)
     assert worst <= STALENESS, f"a step trained on data {worst} versions old"
+    # Each restart resumed from the checkpoint before the kill: one and two steps were trained again.
     resumed = [e["step"] for e in events(trainer_log, "trainer_resumed")]
-    assert len(resumed) == 2
+    assert len(resumed) == 2 and all(r % CHECKPOINT_EVERY == 0 for r in resumed), resumed
+    redone = [n - 1 for n in Counter(e["step"] for e in train_steps).values() if n > 1]
+    assert sum(redone) >= 2, "the kills landed past a checkpoint"
     db = sqlite3.connect(run / "buffer" / "buffer.sqlite3")
     committed = [g for (groups,) in db.execute("SELECT groups FROM batches WHERE committed=1")
                  for g in P.unpack(groups)]
@@ -180,3 +200,7 @@ def test_a_run_survives_kills_of_every_component(tiny_model, tmp_path):
         store.close()
     names = {e["peer"] for e in events(logs / "broker.jsonl", "peer_joined") if e["role"] == "explorer"}
     assert names == {"ex-a", "ex-b", "ex-c", "ex-d"}
+    assert len(events(logs / "broker.jsonl", "broker_ready")) == 2, "the broker was restarted once"
+    made = sum(e["samples"] for n in names for e in events(logs / f"{n}.jsonl", "explorer_batch"))
+    print(f"fault run: {c['expired']} of {made} generated samples expired unused ({c['expired'] / made:.1%}), "
+          f"{c['committed']} trained")
