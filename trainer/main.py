@@ -335,10 +335,10 @@ def run(cfg: RunConfig) -> None:
     """Entry point of `rlbus trainer`."""
     from explorer.models import resolve_model
 
-    trainer = Trainer(cfg, resolve_model(cfg.model.path, cfg.model.cache_dir))
-    signal.signal(signal.SIGTERM, lambda *_: trainer.stop())
-    signal.signal(signal.SIGINT, lambda *_: trainer.stop())
     try:
+        trainer = Trainer(cfg, resolve_model(cfg.model.path, cfg.model.cache_dir))
+        signal.signal(signal.SIGTERM, lambda *_: trainer.stop())
+        signal.signal(signal.SIGINT, lambda *_: trainer.stop())
         trainer.run()
     except Exception as exc:  # the log says why the trainer ended, not only stderr
         log.exception("trainer_failed", error=P.brief(exc))

@@ -233,6 +233,8 @@ def test_commit_of_a_step_never_delivered_is_a_conflict(broker_factory, clients)
     assert tr.request(P.COMMIT, {"step": 0}).command == P.OK, "committing again is idempotent"
     with pytest.raises(BrokerError, match="conflict"):
         tr.request(P.COMMIT, {"step": 5})
+    assert any(e["event"] == "request_refused" and e["code"] == "conflict" and e["command"] == "COMMIT"
+               for e in b.log_events()), "every refusal is logged"
 
 
 def test_empty_reports_the_groups_it_retired(broker_factory, clients):

@@ -114,6 +114,9 @@ def test_trainer_killed_two_steps_after_its_checkpoint_resumes_and_finishes(brok
     assert [e["step"] for e in events if e["event"] == "trainer_resumed"] == [4]
     skipped = [e["policy_version"] for e in events if e["event"] == "publish_skipped"]
     assert skipped and max(skipped) <= announced
+    published = [e for e in events if e["event"] == "weights_published"]
+    assert published and all(e.get("component") == "trainer" and e.get("peer") == "trainer" for e in published), \
+        "events of the publishing thread carry the trainer's context"
     assert tool.request(P.STATUS).header["weights"]["version"] == steps
     groups = [g for gs in delivered(b).values() for g in gs]
     assert len(groups) == len(set(groups)) == 2 * steps, "each group in exactly one step"
@@ -159,3 +162,15 @@ def test_trainer_waits_out_a_broker_outage_longer_than_its_request_timeout(broke
 
 def events_of(path) -> list[str]:
     return [json.loads(line)["event"] for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_a_trainer_that_fails_says_why_in_its_log(broker_factory, tmp_path):
+    b = broker_factory()
+    log_path = tmp_path / "t.jsonl"
+    args = [sys.executable, "-m", "common.cli", "trainer", "--broker", b.address, "--set",
+            f"model.path={tmp_path / 'no-such-model'}", "--set", f"run.dir={tmp_path / 'run'}", "--set",
+            "logging.format=json", "--set", f"logging.file={log_path}"]
+    proc = subprocess.run(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120)
+    assert proc.returncode != 0
+    failed = [json.loads(line) for line in log_path.read_text().splitlines() if '"trainer_failed"' in line]
+    assert failed and failed[0]["component"] == "trainer" and "no-such-model" in failed[0]["exception"]
