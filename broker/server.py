@@ -98,7 +98,9 @@ class Broker:
         endpoints = {"router": f"tcp://{self.cfg.broker.host}:{self.port}",
                      "pub": f"tcp://{self.cfg.broker.host}:{self.pub_port}", "pid": os.getpid()}
         path = self.cfg.buffer_dir() / "endpoints.json"
-        path.write_text(json.dumps(endpoints))
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(endpoints))
+        os.replace(tmp, path)  # readers that poll for the file never see it half written
         log.info("broker_ready", run_id=self.run_id, port=self.port, pub_port=self.pub_port,
                  depth=self.store.depth, trainer_step=self.trainer_step, weights_version=self.bus.state["version"],
                  curve=self._auth is not None)
