@@ -285,7 +285,7 @@ class Broker:
         queued = (sum(len(g.trajs) for g in self.store.ready.values()) // max(1, self.cfg.data.repeat)
                   + len(self.tasks.leases)) // self.cfg.data.batch_tasks
         step = self.trainer_step
-        taken = self.store.delivered(step) is not None or step <= self.store.committed_step
+        taken = step in self.store.batches or step <= self.store.committed_step
         return refusal(self.cfg.sync, batch_index, version, step, queued, step + 1 if taken else step)
 
     def _lease(self, peer: Peer, msg: P.Message) -> None:
