@@ -258,6 +258,12 @@ class TrainerConfig(Section):
     broker_timeout_s: float = Field(30.0, gt=0)
     """How long the trainer waits for one reply from the broker before logging `broker_unreachable_waiting`
     and asking again. The trainer never gives up: a broker restart of any length only pauses training."""
+    wait_for_explorers: int = Field(0, ge=0)
+    """A fresh run's first step waits until this many explorers have joined the broker (0: start at once), so
+    that explorers whose engines start more slowly take part from the start. `rlbus up` sets it to
+    `launch.explorers` (see `launch.start_together`)."""
+    wait_for_explorers_s: float = Field(600.0, gt=0)
+    """How long that wait lasts at most; then training starts with the explorers there are (logged)."""
 
 
 class RewardTerm(Section):
@@ -324,6 +330,9 @@ class LaunchConfig(Section):
     """Restarts per component before the run is stopped anyway."""
     status_interval_s: float = Field(5.0, gt=0)
     """How often `rlbus up` prints a progress line."""
+    start_together: bool = True
+    """The trainer's first step waits for all `explorers` to join (trainer.wait_for_explorers), so that a slower
+    engine start does not leave an explorer out of a short run."""
 
 
 class RunSection(Section):

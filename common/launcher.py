@@ -61,8 +61,11 @@ class Launcher:
         self.snapshot = self.run_dir / "config.yaml"
         self.snapshot.write_text(dump_config(cfg))
         launch = cfg.launch
+        trainer_extra = []
+        if launch.start_together and launch.explorers and not cfg.trainer.wait_for_explorers:
+            trainer_extra = ["--set", f"trainer.wait_for_explorers={launch.explorers}"]
         self.children = [Child("broker", "broker", parse_cpus(launch.broker_cpus)),
-                         Child("trainer", "trainer", parse_cpus(launch.trainer_cpus))]
+                         Child("trainer", "trainer", parse_cpus(launch.trainer_cpus), trainer_extra)]
         for i in range(launch.explorers):
             cpus = parse_cpus(launch.explorer_cpus[i]) if i < len(launch.explorer_cpus) else set()
             # One explorer evaluates on the held-out set: the others only explore.

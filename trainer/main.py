@@ -310,12 +310,38 @@ class Trainer:
             self.publisher.attach(self.client)
         bind(peer=self.cfg.trainer.name, step=self.step, policy_version=self.version)
 
+    def wait_for_explorers(self) -> None:
+        """Before a fresh run's first step: until `trainer.wait_for_explorers` explorers have joined, or
+        `trainer.wait_for_explorers_s` has passed (then it starts with those there are, and says so)."""
+        t = self.cfg.trainer
+        if not t.wait_for_explorers or self.step > 0:
+            return
+        started = time.monotonic()
+        last_log = -math.inf
+        while not self._stop:
+            status = self._request(P.STATUS, {}).header
+            joined = sorted(p["name"] for p in status["peers"] if p["role"] == "explorer")
+            waited = time.monotonic() - started
+            if len(joined) >= t.wait_for_explorers:
+                log.info("explorers_joined", explorers=joined, waited_s=round(waited, 1))
+                return
+            if waited >= t.wait_for_explorers_s:
+                log.warning("explorers_missing", explorers=joined, expected=t.wait_for_explorers,
+                            waited_s=round(waited, 1), note="training starts with the explorers there are")
+                return
+            if waited - last_log >= 10:
+                last_log = waited
+                log.info("waiting_for_explorers", explorers=joined, expected=t.wait_for_explorers,
+                         waited_s=round(waited, 1))
+            time.sleep(0.2)
+
     def run(self, max_steps: int | None = None) -> int:
         self.resume()
         if self.client is None:
             self.connect()
         done = 0
         try:
+            self.wait_for_explorers()
             while not self._stop and self.step < self.cfg.trainer.total_steps and (max_steps is None or done < max_steps):
                 if not self.run_step():
                     break

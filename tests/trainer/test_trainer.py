@@ -147,3 +147,42 @@ def test_nothing_to_train_still_counts_as_the_step(broker_factory, clients, tiny
     assert step["samples"] == 0 and step["groups_dropped"] == 1 and step["new_version"] == 1
     assert all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
     assert clients(b, "tool", "t").weights["version"] == 1
+
+
+def test_first_step_waits_for_the_explorers_it_was_told_of(broker_factory, clients, tiny_model, tmp_path):
+    """trainer.wait_for_explorers: no step before that many explorers have joined; one that joins late is
+    waited for."""
+    import threading
+
+    from trainer.main import Trainer
+
+    b = broker_factory("sync.sync_style=async", "sync.max_staleness=4", "data.repeat=4", "data.batch_tasks=2")
+    ex = clients(b, "explorer", "early")
+    ex.put(synthetic("g1") + synthetic("g2"), timeout=10)
+    cfg = trainer_config(b, tmp_path, "sync.sync_style=async", "sync.max_staleness=4", "trainer.total_steps=1",
+                         "trainer.wait_for_explorers=2")
+    trainer = Trainer(cfg, tiny_model)
+    late = threading.Timer(1.5, lambda: clients(b, "explorer", "late"))
+    with capture_logs() as logs:
+        late.start()
+        assert trainer.run() == 1
+    names = [e["event"] for e in logs]
+    joined = next(e for e in logs if e["event"] == "explorers_joined")
+    assert joined["explorers"] == ["early", "late"] and joined["waited_s"] >= 1.0
+    assert names.index("waiting_for_explorers") < names.index("explorers_joined") < names.index("train_step")
+
+
+def test_a_missing_explorer_is_waited_for_only_so_long(broker_factory, clients, tiny_model, tmp_path):
+    from trainer.main import Trainer
+
+    b = broker_factory("sync.sync_style=async", "sync.max_staleness=4", "data.repeat=4", "data.batch_tasks=2")
+    ex = clients(b, "explorer", "only")
+    ex.put(synthetic("g1") + synthetic("g2"), timeout=10)
+    cfg = trainer_config(b, tmp_path, "sync.sync_style=async", "sync.max_staleness=4", "trainer.total_steps=1",
+                         "trainer.wait_for_explorers=2", "trainer.wait_for_explorers_s=0.5")
+    trainer = Trainer(cfg, tiny_model)
+    with capture_logs() as logs:
+        assert trainer.run() == 1
+    missing = next(e for e in logs if e["event"] == "explorers_missing")
+    assert missing["explorers"] == ["only"] and missing["expected"] == 2
+    assert any(e["event"] == "train_step" and e["samples"] == 8 for e in logs)
