@@ -64,7 +64,7 @@ def main() -> None:
         sets = [f"broker.port={port}", f"broker.pub_port={pub}", f"buffer.dir={tmp}", f"run.dir={tmp}",
                 "sync.sync_style=async", "sync.max_staleness=1000", "logging.level=warning"]
         with broker_process(sets, Path(tmp)):
-            with Engine(str(model), seed=0) as engine:  # stops its engine-core process on the way out
+            with Engine(str(model), seed=0) as engine:  # stops its engine core on the way out
                 engine.warm_up()
                 gen_time = 0.0
                 generate = engine.generate

@@ -215,7 +215,8 @@ def run(cfg: RunConfig) -> None:
     from explorer.models import resolve_model
 
     engine = Engine(resolve_model(cfg.model.path, cfg.model.cache_dir), seed=cfg.trainer.seed,
-                    memory_fraction=cfg.explorer.memory_fraction, dtype=cfg.explorer.dtype)
+                    memory_fraction=cfg.explorer.memory_fraction, dtype=cfg.explorer.dtype,
+                    core=cfg.explorer.engine_core)
     with engine:
         engine.warm_up()
         explorer = Explorer(cfg, engine)

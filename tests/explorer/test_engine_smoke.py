@@ -2,6 +2,10 @@
 
 import math
 
+import pytest
+
+from explorer.engine import inline_core
+
 
 def test_generate_shapes_and_logprobs(engine):
     prompt = engine.chat_prompt([{"role": "user", "content": "What is 2 + 3? Answer with just the number."}])
@@ -10,3 +14,9 @@ def test_generate_shapes_and_logprobs(engine):
     for s in groups[0]:
         assert 1 <= len(s.token_ids) <= 8 and len(s.logprobs) == len(s.token_ids)
         assert all(math.isfinite(lp) and lp <= 0 for lp in s.logprobs)
+
+
+def test_engine_core_placement_is_checked():
+    assert inline_core("inline") is True and inline_core("process") is False
+    with pytest.raises(ValueError, match="auto, inline or process"):
+        inline_core("threads")

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
 
+import pytest
+
 from common import protocol as P
+from explorer.engine import inline_core
 from explorer.main import Explorer
 from tests.conftest import REPO
 from tests.explorer.test_explorer import explorer_config
@@ -84,6 +88,12 @@ def test_sigterm_finishes_the_batch_puts_it_and_says_bye(broker_factory, clients
             "the batch in hand was finished and PUT"
         events = [e for e in b.log_events() if e["event"] == "peer_left" and e["peer"] == "polite"]
         assert events and events[0]["reason"] == "bye"
+        own = [json.loads(x) for x in (tmp_path / "polite.jsonl").read_text().splitlines()]
+        started = next(e for e in own if e["event"] == "engine_started")
+        assert started["core"] == ("inline" if inline_core("auto") else "process")
+        assert any(e["event"] == "engine_stopped" for e in own)
+        with pytest.raises(ProcessLookupError):  # nothing of its engine outlives it
+            os.killpg(proc.pid, 0)
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)
