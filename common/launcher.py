@@ -54,6 +54,8 @@ class Launcher:
         cfg = cfg.model_copy(deep=True)
         cfg.broker.address = f"tcp://127.0.0.1:{cfg.broker.port}"
         cfg.broker.pub_address = f"tcp://127.0.0.1:{cfg.broker.pub_port}"
+        if cfg.launch.start_together and not cfg.trainer.wait_for_explorers:
+            cfg.trainer.wait_for_explorers = cfg.launch.explorers  # the first step waits for all of them
         self.cfg = cfg
         self.run_dir = Path(cfg.run.dir)
         self.logs = self.run_dir / "logs"
@@ -61,11 +63,8 @@ class Launcher:
         self.snapshot = self.run_dir / "config.yaml"
         self.snapshot.write_text(dump_config(cfg))
         launch = cfg.launch
-        trainer_extra = []
-        if launch.start_together and launch.explorers and not cfg.trainer.wait_for_explorers:
-            trainer_extra = ["--set", f"trainer.wait_for_explorers={launch.explorers}"]
         self.children = [Child("broker", "broker", parse_cpus(launch.broker_cpus)),
-                         Child("trainer", "trainer", parse_cpus(launch.trainer_cpus), trainer_extra)]
+                         Child("trainer", "trainer", parse_cpus(launch.trainer_cpus))]
         for i in range(launch.explorers):
             cpus = parse_cpus(launch.explorer_cpus[i]) if i < len(launch.explorer_cpus) else set()
             # One explorer evaluates on the held-out set: the others only explore.

@@ -106,3 +106,16 @@ def _exists(pid: int) -> bool:
     # A zombie is gone for our purposes: its parent (the dead launcher) was reaped, init reaps it.
     with open(f"/proc/{pid}/stat") as f:
         return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.parametrize("together, told, expected", [(True, 0, 3), (True, 1, 1), (False, 0, 0)])
+def test_the_effective_config_has_the_trainer_wait_for_every_explorer(tmp_path, together, told, expected):
+    from common.config import load_config
+    from common.launcher import Launcher
+
+    cfg = load_config(None, [f"run.dir={tmp_path}/run", "broker.port=5555", "broker.pub_port=5556",
+                             "launch.explorers=3", f"launch.start_together={together}",
+                             f"trainer.wait_for_explorers={told}"], environ={})
+    launcher = Launcher(cfg)
+    snapshot = load_config(launcher.snapshot, [], environ={})
+    assert snapshot.trainer.wait_for_explorers == expected
