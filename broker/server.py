@@ -567,6 +567,6 @@ def run(cfg: RunConfig) -> None:
 
     Path(cfg.buffer_dir()).mkdir(parents=True, exist_ok=True)
     broker = Broker(cfg)
-    signal.signal(signal.SIGTERM, lambda *_: broker.stop())
-    signal.signal(signal.SIGINT, lambda *_: broker.stop())
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda *_: broker.stop())
     broker.serve()

@@ -57,6 +57,10 @@ class BrokerError(Exception):
         self.message = message
 
 
+class BrokerUnreachable(ConnectionError):
+    """The broker went silent while this peer was stopping: what waited for it will not be answered."""
+
+
 @dataclass(eq=False)
 class _Request:
     command: str
@@ -110,6 +114,7 @@ class BrokerClient:
         self._start_deadline = float("inf")
         self._bye_sent = threading.Event()
         self._stop = threading.Event()
+        self._stopping = False
         self._wake_addr = f"inproc://rlbus-client-{id(self)}"
         self._wake_rx = self.ctx.socket(zmq.PAIR)
         self._wake_rx.bind(self._wake_addr)
@@ -136,9 +141,18 @@ class BrokerClient:
                payloads: list[bytes] | None = None) -> Future:
         request = _Request(command, dict(header or {}), list(payloads or []))
         with self._lock:
+            if self._stop.is_set():  # nothing would ever send it
+                request.future.set_exception(BrokerUnreachable(f"{command}: the broker client has stopped"))
+                return request.future
             self._outbox.append(request)
             self._wake_tx.send(b"", zmq.NOBLOCK)
         return request.future
+
+    def stopping(self) -> None:
+        """The peer is stopping. From now on a broker that goes silent (past `liveness` heartbeats) fails
+        every request that waits with BrokerUnreachable and stops the client, instead of being reconnected
+        to for as long as it takes: a stopping peer whose broker has gone (the whole run is stopping) exits."""
+        self._stopping = True
 
     def request(self, command: str, header: dict[str, Any] | None = None, payloads: list[bytes] | None = None,
                 timeout: float | None = 30.0) -> P.Message:
@@ -236,6 +250,7 @@ class BrokerClient:
                 self._timers()
         except Exception:  # a bug here must not leave callers waiting forever
             log.exception("client_thread_failed", peer=self.name)
+            self._stop.set()
             self._fail_all(RuntimeError("broker client thread failed; see the log"))
         finally:
             self.sock.close(0)
@@ -409,7 +424,10 @@ class BrokerClient:
             self._stop.set()
 
     def _fail_all(self, error: Exception) -> None:
-        for request in [*self._pending.values(), *self._held, *self._outbox]:
+        with self._lock:
+            outbox = list(self._outbox)
+            self._outbox.clear()
+        for request in [*self._pending.values(), *self._held, *outbox]:
             if not request.future.done():
                 request.future.set_exception(error)
         self._pending.clear()
@@ -421,6 +439,13 @@ class BrokerClient:
             self._retry_hello_at = 0.0
             self._rehello()
         silent = now - self._last_recv
+        if silent > self.liveness * self.hb and self._stopping:
+            waiting = len(self._pending) + len(self._held) + len(self._outbox)
+            log.warning("broker_lost_while_stopping", peer=self.name, silent_s=round(silent, 2), unanswered=waiting)
+            self._stop.set()
+            self._fail_all(BrokerUnreachable(f"the broker at {self.address} went silent while {self.name} "
+                                             f"was stopping"))
+            return
         if silent > self.liveness * self.hb:
             delay = min(self.backoff_max, self._backoff) * random.uniform(0.5, 1.0)
             log.warning("broker_unreachable", peer=self.name, silent_s=round(silent, 2), retry_in_s=round(delay, 2))

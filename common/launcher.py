@@ -177,8 +177,8 @@ class Launcher:
     # ---- the run ----------------------------------------------------------
 
     def run(self) -> int:
-        signal.signal(signal.SIGINT, self.stop)
-        signal.signal(signal.SIGTERM, self.stop)
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGHUP: its terminal closed
+            signal.signal(sig, self.stop)
         log.info("run_starting", run_dir=str(self.run_dir), components=[c.name for c in self.children])
         try:
             self._start(self.children[0])

@@ -21,6 +21,30 @@ import structlog
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
 
+class _Quiet:
+    """A stream whose writes never raise: a closed terminal (EIO) or a gone reader (EPIPE) must not stop a
+    process in the middle of stopping cleanly. After the first failure, writes are dropped."""
+
+    def __init__(self, stream: TextIO):
+        self._stream = stream
+        self._broken = False
+
+    def write(self, text: str) -> int:
+        if not self._broken:
+            try:
+                return self._stream.write(text)
+            except (OSError, ValueError):  # ValueError: the stream was closed
+                self._broken = True
+        return len(text)
+
+    def flush(self) -> None:
+        if not self._broken:
+            try:
+                self._stream.flush()
+            except (OSError, ValueError):
+                self._broken = True
+
+
 class _Tee:
     """Render each event once for the stream and once, as JSON, for the file."""
 
@@ -60,7 +84,7 @@ def setup_logging(component: str, level: str = "info", fmt: str = "auto", file: 
             _Tee(stream, console, sink),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
-        logger_factory=structlog.PrintLoggerFactory(stream),
+        logger_factory=structlog.PrintLoggerFactory(_Quiet(stream)),
         cache_logger_on_first_use=False,
     )
     structlog.contextvars.clear_contextvars()

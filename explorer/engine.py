@@ -25,6 +25,7 @@ from typing import Sequence
 import structlog
 
 from common.weights.digest import matches
+from explorer.lifeline import owning_engines
 
 log = structlog.get_logger()
 
@@ -65,10 +66,11 @@ class Engine:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
 
-        self.llm = LLM(model=model, dtype=dtype, seed=seed, max_model_len=max_model_len,
-                       gpu_memory_utilization=memory_fraction, enforce_eager=enforce_eager,
-                       logprobs_mode="processed_logprobs",
-                       worker_extension_cls="explorer.worker_ext.WeightSyncExtension")
+        with owning_engines():  # its processes end when this one does, even by SIGKILL
+            self.llm = LLM(model=model, dtype=dtype, seed=seed, max_model_len=max_model_len,
+                           gpu_memory_utilization=memory_fraction, enforce_eager=enforce_eager,
+                           logprobs_mode="processed_logprobs",
+                           worker_extension_cls="explorer.worker_ext.WeightSyncExtension")
         self.tokenizer = self.llm.get_tokenizer()
         self.model = model
         self.version = version

@@ -11,8 +11,10 @@ The loop, once per explorer batch:
    resends until ACKed and holds PUTs while the broker gives no credit.
 
 Heartbeats flow from the client's thread during long generations. On SIGTERM
-the explorer finishes the batch in hand, PUTs it, and says BYE, which
-releases any lease it still holds.
+(or SIGHUP, SIGINT) the explorer finishes the batch in hand, PUTs it, and
+says BYE, which releases any lease it still holds; if the broker has gone too
+(the whole run is stopping), it exits once the broker has been silent for
+`broker.liveness` heartbeats instead of waiting for it.
 """
 
 from __future__ import annotations
@@ -20,12 +22,13 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from concurrent.futures import Future
 from typing import Any
 
 import structlog
 
 from common import protocol as P
-from common.client import BrokerClient, default_name
+from common.client import BrokerClient, BrokerUnreachable, default_name
 from common.config import RunConfig
 from common.logging import bind
 from explorer.engine import DigestMismatch
@@ -84,6 +87,8 @@ class Explorer:
 
     def stop(self) -> None:
         self.stop_event.set()
+        if self.client is not None:
+            self.client.stopping()  # a broker that is gone too is not waited for
 
     # ---- weights ----------------------------------------------------------
 
@@ -190,7 +195,7 @@ class Explorer:
                 rollout_s = time.monotonic() - started
                 items = [t for g in groups for t in g]
                 pending.append(self.client.put_async(items))
-                pending = [f for f in pending if not f.done()]
+                pending = _unacknowledged(pending)
                 self.batches += 1
                 rewards = [m["reward"] for m, _ in items]
                 tokens = sum(m["n_tokens"] for m, _ in items)
@@ -203,10 +208,25 @@ class Explorer:
             if self.cfg.explorer.eval_every:  # the newest weights, once more, for the run's last word
                 self._load_newest()
                 self.evaluate(force=True)
+        except BrokerUnreachable as exc:
+            if not self.stop_event.is_set():
+                raise
+            # Stopped with the broker gone: groups not ACKed are not stored; their leases expire at the
+            # broker, which hands the tasks out again.
+            unacked = sum(1 for f in pending if not f.done() or f.exception() is not None)
+            log.warning("stopped_without_broker", puts_unacknowledged=unacked, error=str(exc))
         finally:
             self.client.close(bye=True)
         log.info("explorer_stopped", batches=self.batches)
         return self.batches
+
+
+def _unacknowledged(puts: list[Future]) -> list[Future]:
+    """The PUTs not acknowledged yet; raises the error of one that failed (the list is left as it was)."""
+    for future in puts:
+        if future.done():
+            future.result()
+    return [f for f in puts if not f.done()]
 
 
 def run(cfg: RunConfig) -> None:
@@ -220,6 +240,6 @@ def run(cfg: RunConfig) -> None:
     with engine:
         engine.warm_up()
         explorer = Explorer(cfg, engine)
-        signal.signal(signal.SIGTERM, lambda *_: explorer.stop())
-        signal.signal(signal.SIGINT, lambda *_: explorer.stop())
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, lambda *_: explorer.stop())
         explorer.run()

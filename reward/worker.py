@@ -112,6 +112,6 @@ class RemoteReward:
 def run(cfg: RunConfig, services: list[str], name: str | None = None) -> None:
     """Entry point of `rlbus reward`."""
     worker = RewardWorker(cfg, services, name)
-    signal.signal(signal.SIGTERM, lambda *_: worker.stop())
-    signal.signal(signal.SIGINT, lambda *_: worker.stop())
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda *_: worker.stop())
     worker.run()

@@ -119,3 +119,84 @@ def test_the_effective_config_has_the_trainer_wait_for_every_explorer(tmp_path, 
     launcher = Launcher(cfg)
     snapshot = load_config(launcher.snapshot, [], environ={})
     assert snapshot.trainer.wait_for_explorers == expected
+
+
+def test_closing_the_terminal_stops_the_run_and_leaves_no_process(tiny_model, tmp_path):
+    """`rlbus up` in a terminal that closes mid-run: the kernel sends SIGHUP to it, and every later write
+    to the terminal fails (EIO). It stops the run as on SIGTERM, writes its summary, and nothing is left."""
+    import fcntl
+    import pty
+    import termios
+    import threading
+    import time
+
+    run_dir = tmp_path / "run"
+    sets = [f"run.dir={run_dir}", f"model.path={tiny_model}", f"broker.port={free_port()}",
+            f"broker.pub_port={free_port()}", "broker.heartbeat_interval_s=0.2", "data.repeat=4",
+            "data.batch_tasks=2", "trainer.total_steps=100000", "trainer.micro_batch=4", "trainer.fetch_wait_s=1",
+            "explorer.max_tokens=8", "explorer.dtype=float32", "explorer.memory_fraction=0.1",
+            "launch.explorers=1", "launch.status_interval_s=1", "logging.format=json", "explorer.eval_every=0",
+            "algorithm.skip_zero_spread=false"]
+    args = [sys.executable, "-m", "common.cli", "up"] + [x for s in sets for x in ("--set", s)]
+    master, terminal = pty.openpty()
+
+    def own_terminal() -> None:  # a session of its own, with the pty as its controlling terminal
+        os.setsid()
+        fcntl.ioctl(terminal, termios.TIOCSCTTY, 0)
+
+    up = subprocess.Popen(args, cwd=REPO, stdin=terminal, stdout=terminal, stderr=terminal, preexec_fn=own_terminal)
+    os.close(terminal)
+    shown: list[bytes] = []
+
+    def read() -> None:  # keep the terminal drained until it is closed
+        while True:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:
+                return
+            if not chunk:
+                return
+            shown.append(chunk)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    pids: list[int] = []
+    try:
+        trainer_log = run_dir / "logs" / "trainer.jsonl"
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and up.poll() is None:
+            if trainer_log.exists() and '"train_step"' in trainer_log.read_text():
+                break
+            time.sleep(0.2)
+        text = b"".join(shown).decode(errors="replace")
+        pids = [json.loads(x)["pid"] for x in text.splitlines() if '"component_started"' in x]
+        assert len(pids) == 3 and up.poll() is None, text[-3000:]
+        os.close(master)  # the terminal closes
+        master = -1
+        assert up.wait(120) == 0
+        deadline = time.monotonic() + 30
+        left = pids
+        while left and time.monotonic() < deadline:
+            left = [p for p in pids if _group_exists(p)]
+            time.sleep(0.1)
+        assert not left, f"process groups {left} outlived the run"
+        events = [json.loads(x) for x in (run_dir / "logs" / "trainer.jsonl").read_text().splitlines()]
+        assert events[-1]["event"] == "trainer_stopped", "the trainer stopped cleanly"
+        assert (run_dir / "summary.json").exists(), "the launcher finished its stop though it could not write"
+    finally:
+        if master >= 0:
+            os.close(master)
+        for pid in [up.pid, *pids]:
+            try:
+                os.killpg(pid, 9)
+            except ProcessLookupError:
+                pass
+        up.wait(10)
+
+
+def _group_exists(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True

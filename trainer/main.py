@@ -36,7 +36,7 @@ import structlog
 import torch
 
 from common import protocol as P
-from common.client import BrokerClient, BrokerError
+from common.client import BrokerClient, BrokerError, BrokerUnreachable
 from common.config import RunConfig
 from common.logging import bind
 from trainer import checkpoint
@@ -106,6 +106,8 @@ class Trainer:
 
     def stop(self) -> None:
         self._stop = True
+        if self.client is not None:
+            self.client.stopping()  # a broker that is gone too is not waited for
 
     # ---- resume -----------------------------------------------------------
 
@@ -310,6 +312,13 @@ class Trainer:
             self.publisher.attach(self.client)
         bind(peer=self.cfg.trainer.name, step=self.step, policy_version=self.version)
 
+    def _stopped_without_broker(self, exc: BrokerUnreachable) -> None:
+        """Stopping, and the broker has gone too: what it did not acknowledge (a COMMIT, a PUBLISH) it
+        re-delivers or re-announces to the trainer that resumes from the last checkpoint."""
+        if not self._stop:
+            raise exc
+        log.warning("stopped_without_broker", step=self.step, policy_version=self.version, error=str(exc))
+
     def wait_for_explorers(self) -> None:
         """Before a fresh run's first step: until `trainer.wait_for_explorers` explorers have joined, or
         `trainer.wait_for_explorers_s` has passed (then it starts with those there are, and says so)."""
@@ -346,9 +355,13 @@ class Trainer:
                 if not self.run_step():
                     break
                 done += 1
+        except BrokerUnreachable as exc:
+            self._stopped_without_broker(exc)
         finally:
             try:
                 self._check_publishes(wait=True)
+            except BrokerUnreachable as exc:
+                self._stopped_without_broker(exc)
             finally:
                 self.client.close(bye=True)
                 if hasattr(self.publisher, "close"):
@@ -363,8 +376,8 @@ def run(cfg: RunConfig) -> None:
 
     try:
         trainer = Trainer(cfg, resolve_model(cfg.model.path, cfg.model.cache_dir))
-        signal.signal(signal.SIGTERM, lambda *_: trainer.stop())
-        signal.signal(signal.SIGINT, lambda *_: trainer.stop())
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, lambda *_: trainer.stop())
         trainer.run()
     except Exception as exc:  # the log says why the trainer ended, not only stderr
         log.exception("trainer_failed", error=P.brief(exc))

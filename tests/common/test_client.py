@@ -8,7 +8,7 @@ import time
 import pytest
 
 from common import protocol as P
-from common.client import BrokerClient
+from common.client import BrokerClient, BrokerUnreachable
 from tests.conftest import group
 
 
@@ -52,3 +52,23 @@ def test_close_fails_outstanding_requests_instead_of_leaving_them_waiting(broker
     t.close(bye=True)
     with pytest.raises(ConnectionError, match="BYE"):
         pending.result(5)
+
+
+def test_a_stopping_client_gives_up_on_a_broker_that_has_gone(broker, clients):
+    """Before stopping() the client waits out a broker restart (above); after it, a silent broker fails
+    what waits, and what comes later, with BrokerUnreachable instead of reconnecting forever."""
+    c = clients(broker, "explorer", "leaving")
+    c.stopping()
+    broker.kill(signal.SIGKILL)
+    pending = c.put_async(group("unsaid"))
+    with pytest.raises(BrokerUnreachable, match="went silent while leaving was stopping"):
+        pending.result(30)
+    with pytest.raises(BrokerUnreachable, match="stopped"):
+        c.request(P.STATUS, timeout=5)
+
+
+def test_a_stopping_client_still_finishes_with_a_broker_that_answers(broker, clients):
+    c = clients(broker, "explorer", "tidy")
+    c.stopping()
+    time.sleep(0.2 * 5 * 2)  # twice liveness x interval: heartbeats keep it alive
+    assert sorted(c.put(group("last"), timeout=10)["stored"]) == ["last.0", "last.1"]

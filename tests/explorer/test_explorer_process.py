@@ -61,24 +61,45 @@ def test_explorer_killed_mid_batch_has_its_leases_reissued(broker_factory, clien
         victim.wait(10)
 
 
+def _start_explorer(b, name: str, tmp_path, *sets: str) -> subprocess.Popen:
+    """A standalone `rlbus explorer` in a session of its own, logging JSON to tmp_path/NAME.jsonl."""
+    args = [sys.executable, "-m", "common.cli", "explorer", "--broker", b.address, "--name", name]
+    for s in (f"broker.pub_port={b.pub_port}", "broker.heartbeat_interval_s=0.2", "explorer.dtype=float32",
+              "explorer.memory_fraction=0.1", "explorer.max_tokens=200", "explorer.tasks_per_lease=2", "logging.format=json", f"logging.file={tmp_path}/{name}.jsonl", *sets):
+        args += ["--set", s]
+    return subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"{name}.err", "w"),
+                            start_new_session=True)
+
+
+def _wait_for_lease(tool, proc: subprocess.Popen, name: str, tmp_path) -> int:
+    deadline = time.monotonic() + 180
+    held = 0
+    while time.monotonic() < deadline and proc.poll() is None and not held:
+        peers = {p["name"]: p for p in tool.request(P.STATUS).header["peers"]}
+        held = peers.get(name, {}).get("leases", 0)
+        time.sleep(0.05)
+    assert held, f"{name} never held a lease: {(tmp_path / f'{name}.err').read_text()[-2000:]}"
+    return held
+
+
+def _events(tmp_path, name: str) -> list[dict]:
+    return [json.loads(x) for x in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(10)
+
+
 def test_sigterm_finishes_the_batch_puts_it_and_says_bye(broker_factory, clients, tiny_model, tmp_path):
     b = broker_factory("sync.sync_style=async", "sync.max_staleness=100", "data.repeat=4", "data.batch_tasks=2")
     tool = clients(b, "tool", "watch")
-    args = [sys.executable, "-m", "common.cli", "explorer", "--broker", b.address, "--name", "polite"]
-    for s in (f"broker.pub_port={b.pub_port}", "broker.heartbeat_interval_s=0.2", f"model.path={tiny_model}",
-              "explorer.dtype=float32", "explorer.memory_fraction=0.1", "explorer.max_tokens=200",
-              "explorer.tasks_per_lease=2", "logging.format=json", f"logging.file={tmp_path}/polite.jsonl"):
-        args += ["--set", s]
-    proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc = _start_explorer(b, "polite", tmp_path, f"model.path={tiny_model}")
     try:
-        deadline = time.monotonic() + 180
-        held = 0
-        while time.monotonic() < deadline and proc.poll() is None and not held:
-            peers = {p["name"]: p for p in tool.request(P.STATUS).header["peers"]}
-            held = peers.get("polite", {}).get("leases", 0)
-            time.sleep(0.05)
-        assert held, "the explorer never held a lease"
+        held = _wait_for_lease(tool, proc, "polite", tmp_path)
         os.kill(proc.pid, signal.SIGTERM)
         assert proc.wait(120) == 0
         status = tool.request(P.STATUS).header
@@ -88,15 +109,50 @@ def test_sigterm_finishes_the_batch_puts_it_and_says_bye(broker_factory, clients
             "the batch in hand was finished and PUT"
         events = [e for e in b.log_events() if e["event"] == "peer_left" and e["peer"] == "polite"]
         assert events and events[0]["reason"] == "bye"
-        own = [json.loads(x) for x in (tmp_path / "polite.jsonl").read_text().splitlines()]
+        own = _events(tmp_path, "polite")
         started = next(e for e in own if e["event"] == "engine_started")
         assert started["core"] == ("inline" if inline_core("auto") else "process")
         assert any(e["event"] == "engine_stopped" for e in own)
         with pytest.raises(ProcessLookupError):  # nothing of its engine outlives it
             os.killpg(proc.pid, 0)
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        _stop_group(proc)
+
+
+def test_sigkilled_explorer_takes_its_engine_processes_with_it(broker_factory, clients, tiny_model, tmp_path):
+    """vLLM's engine core in a process of its own (as on GPUs) ends when its explorer is SIGKILLed: only
+    the explorer's pid is killed, as the OOM killer or `kill -9` would."""
+    import psutil
+
+    b = broker_factory("sync.sync_style=async", "sync.max_staleness=100", "data.repeat=4", "data.batch_tasks=2")
+    tool = clients(b, "tool", "watch")
+    proc = _start_explorer(b, "doomed", tmp_path, f"model.path={tiny_model}", "explorer.engine_core=process")
+    try:
+        _wait_for_lease(tool, proc, "doomed", tmp_path)
+        engine = psutil.Process(proc.pid).children(recursive=True)
+        assert engine, "the engine core runs in a process of its own"
+        os.kill(proc.pid, signal.SIGKILL)
         proc.wait(10)
+        _, alive = psutil.wait_procs(engine, timeout=15)
+        assert not alive, f"outlived their explorer: {[(p.pid, p.name()) for p in alive]}"
+        assert "rlbus: the explorer" in (tmp_path / "doomed.err").read_text(), "the engine said why it ended"
+    finally:
+        _stop_group(proc)
+
+
+def test_sigterm_with_the_broker_gone_too_exits_instead_of_waiting(broker_factory, clients, tiny_model, tmp_path):
+    """The whole run stopping at once: the broker is gone when the explorer is told to stop. The explorer
+    gives up on the batch it cannot PUT once the broker has been silent for `liveness` heartbeats."""
+    b = broker_factory("sync.sync_style=async", "sync.max_staleness=100", "data.repeat=4", "data.batch_tasks=2")
+    tool = clients(b, "tool", "watch")
+    proc = _start_explorer(b, "stranded", tmp_path, f"model.path={tiny_model}")
+    try:
+        _wait_for_lease(tool, proc, "stranded", tmp_path)
+        b.kill(signal.SIGKILL)
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(120) == 0
+        own = _events(tmp_path, "stranded")
+        assert any(e["event"] == "stopped_without_broker" for e in own)
+        assert any(e["event"] == "engine_stopped" for e in own)
+    finally:
+        _stop_group(proc)

@@ -1,0 +1,112 @@
+"""vLLM's engine processes end when their explorer ends, however it ends.
+
+On a GPU host vLLM runs its engine core (and, with tensor parallelism, its
+workers) in processes of their own. They do not watch the explorer: a
+SIGKILLed explorer (the OOM killer, `kill -9`, a supervisor) would leave them
+running, holding their GPU memory, and the restarted explorer could not start
+its engine.
+
+The explorer names itself the engines' owner (`RLBUS_ENGINE_OWNER_PID`, set
+while vLLM starts its processes, so that they, and only they, inherit it;
+`owning_engines`). vLLM runs its
+general plugins in each of its processes; `register` is rlbus's: in any
+process other than the owner it opens a pidfd on the owner and waits on it in
+a daemon thread, and when the owner is gone it kills its own process. In the
+owner it arranges the same for processes vLLM forks, which inherit the
+"plugins already loaded" flag and would not run it again.
+
+A pidfd names one process, not a number: a recycled pid cannot fool it.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import sys
+import threading
+from contextlib import contextmanager
+from typing import Iterator
+
+OWNER_ENV = "RLBUS_ENGINE_OWNER_PID"
+
+_watching_in: int | None = None  # the pid of the process whose watch thread runs
+_fork_hook_set = False
+
+
+@contextmanager
+def owning_engines() -> Iterator[None]:
+    """Name this process the owner of the vLLM processes started inside the block."""
+    before = os.environ.get(OWNER_ENV)
+    os.environ[OWNER_ENV] = str(os.getpid())
+    register()
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(OWNER_ENV, None)
+        else:
+            os.environ[OWNER_ENV] = before
+
+
+def register() -> None:
+    """vLLM general plugin (entry point `vllm.general_plugins`): watch the owner from any of its processes."""
+    global _fork_hook_set
+    owner = _owner()
+    if owner is None:
+        return
+    if owner == os.getpid():
+        if not _fork_hook_set:
+            os.register_at_fork(after_in_child=_watch_from_fork)
+            _fork_hook_set = True
+        return
+    watch(owner)
+
+
+def watch(owner: int) -> None:
+    """End this process when `owner` ends (at once if it already has)."""
+    global _watching_in
+    if _watching_in == os.getpid():
+        return
+    try:
+        fd = os.pidfd_open(owner)
+    except ProcessLookupError:
+        _end(owner)
+        return
+    except OSError:  # no pidfd (old kernel): fall back to watching the parent change
+        fd = None
+    _watching_in = os.getpid()
+    threading.Thread(target=_wait, args=(owner, fd, os.getppid()), name="rlbus-owner-watch", daemon=True).start()
+
+
+def _owner() -> int | None:
+    try:
+        return int(os.environ[OWNER_ENV])
+    except (KeyError, ValueError):
+        return None
+
+
+def _watch_from_fork() -> None:
+    owner = _owner()
+    if owner is not None and owner != os.getpid():
+        watch(owner)
+
+
+def _wait(owner: int, fd: int | None, parent: int) -> None:
+    if fd is not None:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        while not poller.poll():
+            pass
+    else:
+        import time
+
+        while os.getppid() == parent:
+            time.sleep(1.0)
+    _end(owner)
+
+
+def _end(owner: int) -> None:
+    print(f"rlbus: the explorer (pid {owner}) that started this vLLM process is gone; pid {os.getpid()} exits",
+          file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
