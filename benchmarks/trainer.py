@@ -1,16 +1,21 @@
-"""Trainer throughput on the bundled model, and the share of step time outside compute.
+"""Trainer throughput on the bundled model: shared-prompt training against one row per sample.
 
 A real broker process holds a full buffer of trajectories shaped like the
-default task's (4 prompts x 8 samples per step, 44 prompt and 24 response
-tokens); an in-process trainer on SmolLM2-135M-Instruct (float32, CPU) runs
-`--steps` steps, publishing weights every step (sync_interval 1, the most
-publishing any mode does) and committing every step. Time outside compute =
-waiting for the batch + publishing (the weight snapshot; writing happens on
-the publishing thread) + commit.
+default task's (4 prompts x 8 samples per step; each prompt a 30-token
+system prompt common to all and a 14-token question shared by its group;
+8-24 response tokens); an in-process trainer on SmolLM2-135M-Instruct
+(bfloat16 autocast, CPU) runs `--steps` steps, publishing weights every step
+(sync_interval 1, the most publishing any mode does) and committing every
+step. It runs twice, on a fresh broker each time: one row per sample
+(micro-batches of 8, the baseline) and shared-prompt packing (the whole
+batch as one packed sequence). Time outside compute = waiting for the batch +
+publishing (the weight snapshot; writing happens on the publishing thread) +
+commit.
 
     python benchmarks/trainer.py [--steps N]
 
-Last line: one JSON object with tokens_per_s and non_compute_share.
+Last line: one JSON object with tokens_per_s and non_compute_share (shared
+prompts), ratio_to_rows, and each variant's figures.
 """
 
 from __future__ import annotations
@@ -27,6 +32,52 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.harness import broker_process, free_port  # noqa: E402
 
 
+SYSTEM_TOKENS, QUESTION_TOKENS = 30, 14  # the default task's prompt: chat template's system prompt + question
+
+
+def run_variant(model: str, steps: int, shared_prompt: bool, micro_batch: int) -> list[dict]:
+    """`steps` + 1 trainer steps against a broker filled with default-task-shaped groups; their train_step
+    events (the first, which pays one-time warm-up, left out)."""
+    import numpy as np
+    from structlog.testing import capture_logs
+
+    from common.client import BrokerClient
+    from common.config import load_config
+    from common.trajectory import encode_payload
+    from trainer.main import Trainer
+
+    port, pub = free_port(), free_port()
+    rng = np.random.default_rng(0)
+    system = rng.integers(0, 49152, SYSTEM_TOKENS).astype(np.int32)
+    with tempfile.TemporaryDirectory(prefix="rlbus-bench-") as tmp:
+        sets = [f"broker.port={port}", f"broker.pub_port={pub}", f"buffer.dir={tmp}/buffer", f"run.dir={tmp}",
+                "sync.sync_style=async", "sync.max_staleness=1000", "data.repeat=8", "data.batch_tasks=4",
+                "logging.level=warning"]
+        with broker_process(sets, Path(tmp) / "buffer"):
+            feeder = BrokerClient(f"tcp://127.0.0.1:{port}", "explorer", "feeder")
+            feeder.start(30)
+            for g in range(4 * (steps + 1)):
+                prompt = np.concatenate([system, rng.integers(0, 49152, QUESTION_TOKENS).astype(np.int32)])
+                items = []
+                for i in range(8):
+                    n = int(rng.integers(8, 25))
+                    meta = {"id": f"g{g}.{i}", "group_id": f"g{g}", "task_id": f"g{g}", "group_size": 8,
+                            "batch_index": g // 4, "policy_version": 0, "reward": float(i % 3 == 0), "n_tokens": n}
+                    items.append((meta, encode_payload({
+                        "prompt_ids": prompt, "response_ids": rng.integers(0, 49152, n).astype(np.int32),
+                        "logprobs": np.full(n, -2.0, dtype=np.float32), "loss_mask": np.ones(n, dtype=np.uint8)})))
+                feeder.put(items, timeout=30)
+            feeder.close()
+            cfg = load_config(None, sets + [f"broker.address=tcp://127.0.0.1:{port}", "trainer.checkpoint_every=0",
+                                            f"trainer.total_steps={steps + 1}", f"trainer.micro_batch={micro_batch}",
+                                            f"trainer.shared_prompt={shared_prompt}", "trainer.autocast=bfloat16",
+                                            "sync.sync_interval=1"], environ={})
+            trainer = Trainer(cfg, model)
+            with capture_logs() as logs:
+                trainer.run(max_steps=steps + 1)
+    return [e for e in logs if e["event"] == "train_step"][1:]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=6)
@@ -36,56 +87,33 @@ def main() -> None:
     if args.smoke:
         args.steps = 1
 
-    import numpy as np
-    from structlog.testing import capture_logs
-
-    from common.client import BrokerClient
-    from common.config import load_config
-    from common.trajectory import encode_payload
     from explorer.models import resolve_model
-    from trainer.main import Trainer
 
     model = str(resolve_model(args.model))
-    port, pub = free_port(), free_port()
-    rng = np.random.default_rng(0)
-    with tempfile.TemporaryDirectory(prefix="rlbus-bench-") as tmp:
-        sets = [f"broker.port={port}", f"broker.pub_port={pub}", f"buffer.dir={tmp}/buffer", f"run.dir={tmp}",
-                "sync.sync_style=async", "sync.max_staleness=1000", "data.repeat=8", "data.batch_tasks=4",
-                "logging.level=warning"]
-        with broker_process(sets, Path(tmp) / "buffer"):
-            feeder = BrokerClient(f"tcp://127.0.0.1:{port}", "explorer", "feeder")
-            feeder.start(30)
-            for g in range(4 * (args.steps + 1)):
-                items = []
-                for i in range(8):
-                    n = int(rng.integers(8, 25))
-                    meta = {"id": f"g{g}.{i}", "group_id": f"g{g}", "task_id": f"g{g}", "group_size": 8,
-                            "batch_index": g // 4, "policy_version": 0, "reward": float(i % 3 == 0), "n_tokens": n}
-                    items.append((meta, encode_payload({
-                        "prompt_ids": rng.integers(0, 49152, 44).astype(np.int32),
-                        "response_ids": rng.integers(0, 49152, n).astype(np.int32),
-                        "logprobs": np.full(n, -2.0, dtype=np.float32), "loss_mask": np.ones(n, dtype=np.uint8)})))
-                feeder.put(items, timeout=30)
-            feeder.close()
-            cfg = load_config(None, sets + [f"broker.address=tcp://127.0.0.1:{port}", "trainer.checkpoint_every=0",
-                                            f"trainer.total_steps={args.steps + 1}", "trainer.micro_batch=8",
-                                            "sync.sync_interval=1"], environ={})
-            trainer = Trainer(cfg, model)
-            with capture_logs() as logs:
-                trainer.run(max_steps=args.steps + 1)
-    steps = [e for e in logs if e["event"] == "train_step"][1:]  # the first step pays one-time warm-up
-    step_s = sum(e["step_s"] for e in steps)
-    compute_s = sum(e["compute_s"] for e in steps)
-    tokens = sum(e["tokens"] for e in steps)
-    for e in steps:
-        print(f"step {e['step']}: {e['tokens']} tokens, compute {e['compute_s']:.2f} s, wait {e['wait_s']:.3f} s, "
-              f"publish {e['publish_s']:.3f} s, step {e['step_s']:.2f} s")
-    share = (step_s - compute_s) / step_s
-    print(f"{tokens / compute_s:.1f} trained tokens/s; {share:.3%} of step time outside compute")
-    print(json.dumps({"tokens_per_s": round(tokens / compute_s, 1), "non_compute_share": round(share, 4),
-                      "steps": len(steps), "mean_step_s": round(step_s / len(steps), 2),
-                      "mean_wait_s": round(sum(e["wait_s"] for e in steps) / len(steps), 3),
-                      "mean_publish_s": round(sum(e["publish_s"] for e in steps) / len(steps), 3)}))
+    figures = {}
+    for name, shared, micro in (("rows", False, 8), ("shared_prompt", True, 32)):
+        steps = run_variant(model, args.steps, shared, micro)
+        step_s = sum(e["step_s"] for e in steps)
+        compute_s = sum(e["compute_s"] for e in steps)
+        tokens = sum(e["tokens"] for e in steps)
+        for e in steps:
+            print(f"{name} step {e['step']}: {e['tokens']} trained tokens ({e['forward_tokens']} forwarded), "
+                  f"compute {e['compute_s']:.2f} s, wait {e['wait_s']:.3f} s, publish {e['publish_s']:.3f} s, "
+                  f"step {e['step_s']:.2f} s")
+        figures[name] = {"tokens_per_s": round(tokens / compute_s, 1),
+                         "mean_compute_s": round(compute_s / len(steps), 3),
+                         "non_compute_share": round((step_s - compute_s) / step_s, 4),
+                         "forward_tokens_per_step": round(sum(e["forward_tokens"] for e in steps) / len(steps)),
+                         "mean_step_s": round(step_s / len(steps), 2),
+                         "mean_wait_s": round(sum(e["wait_s"] for e in steps) / len(steps), 3),
+                         "mean_publish_s": round(sum(e["publish_s"] for e in steps) / len(steps), 3)}
+        print(f"{name}: {figures[name]['tokens_per_s']} trained tokens/s, compute {figures[name]['mean_compute_s']} s"
+              f" per step; {figures[name]['non_compute_share']:.3%} of step time outside compute")
+    speedup = figures["shared_prompt"]["tokens_per_s"] / figures["rows"]["tokens_per_s"]
+    print(f"shared-prompt training: {speedup:.2f}x the trained tokens/s of one row per sample")
+    print(json.dumps({"tokens_per_s": figures["shared_prompt"]["tokens_per_s"],
+                      "non_compute_share": figures["shared_prompt"]["non_compute_share"],
+                      "ratio_to_rows": round(speedup, 3), "steps": args.steps, **figures}))
 
 
 if __name__ == "__main__":

@@ -242,6 +242,10 @@ class TrainerConfig(Section):
     """Trainer steps in the run."""
     micro_batch: int = Field(8, ge=1)
     """Sequences per forward/backward pass (gradient accumulation over the batch)."""
+    shared_prompt: bool = True
+    """Train each micro-batch as one packed sequence in which a prompt shared by several samples (a group's,
+    and the prefix common to all groups) is computed once: same loss and gradients as one row per sample, with
+    fewer tokens (trainer/packing.py). Models whose attention takes no custom mask fall back to rows."""
     checkpoint_every: int = Field(10, ge=0)
     """Save a training checkpoint every K steps (0: never; then every step is committed at once)."""
     keep_checkpoints: int = Field(2, ge=1)

@@ -102,3 +102,11 @@ def _timestamp(_: Any, __: str, event: dict) -> dict:
 def bind(**context: Any) -> None:
     """Bind context (peer, policy_version, step) for every later event of this process."""
     structlog.contextvars.bind_contextvars(**context)
+
+
+def significant(value: float | int, digits: int = 5) -> float | int:
+    """A metric for a log line: `digits` significant digits (an lr of 1.5e-05 stays 1.5e-05; rounding to
+    decimal places would make it 2e-05); integers as they are."""
+    if isinstance(value, int) or value != value or value in (float("inf"), float("-inf")):
+        return value
+    return float(f"{value:.{digits}g}")

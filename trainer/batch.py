@@ -44,6 +44,7 @@ class Batch:
     loss_mask: torch.Tensor  # [B, T-1] over predicted positions: 1 where a response token is trained
     behaviour_logprobs: torch.Tensor  # [B, T-1], aligned with loss_mask
     advantages: torch.Tensor  # [B]
+    prompt_lens: torch.Tensor  # [B]: the first prompt_lens[b] tokens of row b are its prompt
     rewards: torch.Tensor  # [B]
     versions: list[int]
     ids: list[str]
@@ -119,7 +120,7 @@ def build_batch(samples: list[Sample], rejected: dict[str, int], estimator: str,
     keep = [i for i, s in enumerate(samples) if s.group not in dropped]
     if not keep:
         return Batch(torch.empty(0, 0, dtype=torch.long), torch.empty(0, 0), torch.empty(0, 0), torch.empty(0, 0),
-                     torch.empty(0), rewards, [s.policy_version for s in samples], [], rejected, len(dropped), groups)
+                     torch.empty(0), torch.empty(0, dtype=torch.long), rewards, [s.policy_version for s in samples], [], rejected, len(dropped), groups)
     kept = [samples[i] for i in keep]
     length = max(len(s.prompt_ids) + len(s.response_ids) for s in kept)
     n = len(kept)
@@ -134,5 +135,7 @@ def build_batch(samples: list[Sample], rejected: dict[str, int], estimator: str,
         # Position j predicts token j + 1: response token k sits at p + k and is predicted at p + k - 1.
         loss_mask[row, p - 1:p - 1 + r] = torch.from_numpy(s.loss_mask.astype(np.float32))
         behaviour[row, p - 1:p - 1 + r] = torch.from_numpy(s.logprobs.astype(np.float32))
-    return Batch(input_ids, attention, loss_mask, behaviour, adv[keep], rewards, [s.policy_version for s in samples],
+    prompt_lens = torch.tensor([len(s.prompt_ids) for s in kept], dtype=torch.long)
+    return Batch(input_ids, attention, loss_mask, behaviour, adv[keep], prompt_lens, rewards,
+                 [s.policy_version for s in samples],
                  [s.id for s in kept], rejected, len(dropped), groups)

@@ -41,7 +41,14 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state[:, :-1]
     targets = input_ids[:, 1:]
     where = positions.bool() if positions is not None else torch.ones_like(targets, dtype=torch.bool)
-    logits = model.get_output_embeddings()(hidden[where]).float()
+    return logprobs_at(model, hidden[where], targets, where, temperature, with_entropy)
+
+
+def logprobs_at(model, hidden: torch.Tensor, targets: torch.Tensor, where: torch.Tensor, temperature: float,
+                with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """From the hidden states that predict the targets where `where` is set ([K, H], in `where`'s order):
+    the [B, T-1] log-probabilities of `targets` there (0 elsewhere) and optionally the entropy."""
+    logits = model.get_output_embeddings()(hidden).float()
     if temperature and temperature != 1.0:
         logits = logits / temperature
     logp_all = F.log_softmax(logits, dim=-1)
