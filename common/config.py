@@ -105,6 +105,11 @@ class AlgorithmConfig(Section):
     """KL estimator."""
     aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
     """How token losses become the batch loss."""
+    loss_denominator: Literal["trained", "batch"] = "trained"
+    """What the batch loss is averaged over: the samples trained on, or the whole batch, its all-equal-reward
+    groups (dropped by the broker or the trainer) counted as samples of advantage 0, as in TRL's GRPOTrainer,
+    which keeps them. `batch` scales the loss by trained samples / batch samples, so a step in which few
+    groups are informative moves the policy less: as the reward saturates, the updates shrink with it."""
 
     def drops_zero_spread(self) -> bool:
         return self.advantage in ("grpo", "dr_grpo", "rloo") if self.skip_zero_spread is None else self.skip_zero_spread

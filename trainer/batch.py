@@ -51,6 +51,7 @@ class Batch:
     rejected: dict[str, int]
     dropped_groups: int
     groups: int
+    fetched_samples: int = 0  # samples that passed the checks, all-equal groups included
 
     @property
     def size(self) -> int:
@@ -120,7 +121,8 @@ def build_batch(samples: list[Sample], rejected: dict[str, int], estimator: str,
     keep = [i for i, s in enumerate(samples) if s.group not in dropped]
     if not keep:
         return Batch(torch.empty(0, 0, dtype=torch.long), torch.empty(0, 0), torch.empty(0, 0), torch.empty(0, 0),
-                     torch.empty(0), torch.empty(0, dtype=torch.long), rewards, [s.policy_version for s in samples], [], rejected, len(dropped), groups)
+                     torch.empty(0), torch.empty(0, dtype=torch.long), rewards, [s.policy_version for s in samples],
+                     [], rejected, len(dropped), groups, len(samples))
     kept = [samples[i] for i in keep]
     length = max(len(s.prompt_ids) + len(s.response_ids) for s in kept)
     n = len(kept)
@@ -138,4 +140,4 @@ def build_batch(samples: list[Sample], rejected: dict[str, int], estimator: str,
     prompt_lens = torch.tensor([len(s.prompt_ids) for s in kept], dtype=torch.long)
     return Batch(input_ids, attention, loss_mask, behaviour, adv[keep], prompt_lens, rewards,
                  [s.policy_version for s in samples],
-                 [s.id for s in kept], rejected, len(dropped), groups)
+                 [s.id for s in kept], rejected, len(dropped), groups, len(samples))

@@ -160,12 +160,15 @@ class Trainer:
         kind = torch.device(t.device).type
         return torch.autocast(kind, dtype=DTYPES.get(t.autocast, torch.bfloat16), enabled=t.autocast != "off")
 
-    def train_on(self, batch: Batch) -> dict[str, float]:
-        """One optimizer step over the batch, in micro-batches; returns metrics."""
+    def train_on(self, batch: Batch, skipped: int = 0) -> dict[str, float]:
+        """One optimizer step over the batch, in micro-batches; returns metrics. `skipped`: samples of
+        all-equal groups the broker left out of the batch (for `algorithm.loss_denominator: batch`)."""
         self.optimizer.zero_grad(set_to_none=True)
         mb = self.cfg.trainer.micro_batch
         by_tokens = self.cfg.algorithm.aggregation == "token-mean"
         total = batch.tokens if by_tokens else batch.size
+        if self.cfg.algorithm.loss_denominator == "batch":
+            total *= (batch.fetched_samples + skipped) / batch.size  # the batch's samples, trained or not
         sums: Counter[str] = Counter()
         entropy_sum = 0.0
         forwarded = 0
@@ -217,7 +220,7 @@ class Trainer:
                             self.pad_id)
         metrics: dict[str, float] = {}
         if batch is not None and batch.size:
-            metrics = self.train_on(batch)
+            metrics = self.train_on(batch, skipped=reply.header.get("skipped", 0))
         compute_s = time.monotonic() - compute_started
         publish_started = time.monotonic()
         self.version = self.step + 1

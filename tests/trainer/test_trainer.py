@@ -186,3 +186,24 @@ def test_a_missing_explorer_is_waited_for_only_so_long(broker_factory, clients, 
     missing = next(e for e in logs if e["event"] == "explorers_missing")
     assert missing["explorers"] == ["only"] and missing["expected"] == 2
     assert any(e["event"] == "train_step" and e["samples"] == 8 for e in logs)
+
+
+def test_batch_loss_denominator_counts_the_all_equal_groups_left_out(tiny_model, tmp_path):
+    """`algorithm.loss_denominator: batch`: a step on 12 trained samples of a 32-sample batch (20 in all-equal
+    groups the broker skipped) has the loss and gradient of the trained-only step times 12/32."""
+    from tests.trainer.test_packing import example
+    from trainer.main import Trainer
+
+    batch = example(seed=5)
+    assert batch.size == batch.fetched_samples == 12
+    grads = {}
+    for denominator, skipped in (("trained", 20), ("batch", 20), ("batch", 0)):
+        cfg = load_config(None, [f"run.dir={tmp_path}/run", "trainer.lr=1e-3", "trainer.micro_batch=12",
+                                 f"algorithm.loss_denominator={denominator}", "explorer.dtype=float32"], environ={})
+        trainer = Trainer(cfg, tiny_model)
+        metrics = trainer.train_on(batch, skipped=skipped)
+        grads[denominator, skipped] = (metrics["loss"], metrics["grad_norm"])
+    loss, norm = grads["trained", 20]
+    assert grads["batch", 0] == (pytest.approx(loss, rel=1e-5), pytest.approx(norm, rel=1e-4)), "nothing skipped"
+    assert grads["batch", 20][0] == pytest.approx(loss * 12 / 32, rel=1e-5)
+    assert grads["batch", 20][1] == pytest.approx(norm * 12 / 32, rel=1e-4)
