@@ -31,3 +31,13 @@ def test_console_view_still_writes_json_to_file(tmp_path):
     structlog.get_logger().info("step_done", step=1)
     assert "step_done" in out.getvalue() and not out.getvalue().lstrip().startswith("{")
     assert json.loads(sink.read_text())["event"] == "step_done"
+
+
+def test_metrics_keep_significant_digits_not_decimal_places():
+    from common.logging import significant
+
+    assert significant(1.5e-05) == 1.5e-05  # rounding to 5 places would log 2e-05
+    assert significant(0.123456789) == 0.12346
+    assert significant(123456.7) == 123460.0
+    assert significant(7) == 7 and isinstance(significant(7), int)
+    assert significant(float("nan")) != significant(float("nan"))  # NaN stays NaN, no exception
