@@ -84,11 +84,7 @@ def test_components_stop_when_the_launcher_is_killed(tiny_model, tmp_path):
         assert len(pids) == 2, "broker and trainer did not start"
         up.kill()
         up.wait(10)
-        deadline = time.monotonic() + 60
-        alive = pids
-        while alive and time.monotonic() < deadline:
-            alive = [p for p in pids if _exists(p)]
-            time.sleep(0.2)
+        alive = _still(pids, _exists, 60)
         assert not alive, f"components {alive} outlived the launcher"
     finally:
         for pid in pids:
@@ -96,6 +92,18 @@ def test_components_stop_when_the_launcher_is_killed(tiny_model, tmp_path):
                 os.killpg(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def _still(pids: list[int], exists, timeout: float) -> list[int]:
+    """The pids for which `exists` still holds after up to `timeout` seconds of waiting for none to."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    left = [p for p in pids if exists(p)]
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = [p for p in left if exists(p)]
+    return left
 
 
 def _exists(pid: int) -> bool:
@@ -174,11 +182,7 @@ def test_closing_the_terminal_stops_the_run_and_leaves_no_process(tiny_model, tm
         os.close(master)  # the terminal closes
         master = -1
         assert up.wait(120) == 0
-        deadline = time.monotonic() + 30
-        left = pids
-        while left and time.monotonic() < deadline:
-            left = [p for p in pids if _group_exists(p)]
-            time.sleep(0.1)
+        left = _still(pids, _group_exists, 30)
         assert not left, f"process groups {left} outlived the run"
         events = [json.loads(x) for x in (run_dir / "logs" / "trainer.jsonl").read_text().splitlines()]
         assert events[-1]["event"] == "trainer_stopped", "the trainer stopped cleanly"

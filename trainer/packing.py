@@ -127,7 +127,8 @@ def packed_token_logprobs(model, packed: Packed, input_ids: torch.Tensor, temper
     hidden = decoder(input_ids=packed.input_ids.to(device), position_ids=packed.position_ids.to(device),
                      attention_mask=mask).last_hidden_state[0]
     targets = input_ids[:, 1:].to(device)
-    where = packed.predictor.to(device) >= 0
+    predictor = packed.predictor.to(device)
+    where = predictor >= 0
     if positions is not None:
         where &= positions.to(device).bool()
-    return logprobs_at(model, hidden[packed.predictor.to(device)[where]], targets, where, temperature, with_entropy)
+    return logprobs_at(model, hidden[predictor[where]], targets, where, temperature, with_entropy)
