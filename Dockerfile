@@ -6,7 +6,9 @@ ARG ENGINE=cpu
 ENV PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /app
 COPY pyproject.toml README.md ./
+COPY rlbus rlbus
 COPY common common
+COPY weights weights
 COPY broker broker
 COPY explorer explorer
 COPY trainer trainer

@@ -42,7 +42,7 @@ def make_batch(producer: int, first_group: int, groups: int, payload: bytes) -> 
 def sample_payload() -> bytes:
     import numpy as np
 
-    from common.trajectory import encode_payload
+    from rlbus.common.trajectory import encode_payload
 
     rng = np.random.default_rng(0)
     return encode_payload({"prompt_ids": rng.integers(0, 49152, 128, dtype=np.int32),
@@ -55,7 +55,7 @@ def producer(mode: str, address: str, index: int, n_traj: int, per_put: int, win
              ready, go, results) -> None:
     import zmq
 
-    from common import protocol as P
+    from rlbus.common import protocol as P
 
     payload = sample_payload()
     groups_per_put = per_put // GROUP
@@ -81,7 +81,7 @@ def producer(mode: str, address: str, index: int, n_traj: int, per_put: int, win
         push.close(linger=-1)
         ctx.term()
     else:
-        from common.client import BrokerClient
+        from rlbus.common.client import BrokerClient
 
         client = BrokerClient(address, "explorer", f"bench-{index}", max_in_flight=window)
         client.start(30)
@@ -143,8 +143,8 @@ def bench_raw(args, mode: str = "raw") -> float:
 
 
 def bench_broker(args, data_dir: Path) -> tuple[float, list[float]]:
-    from common import protocol as P
-    from common.client import BrokerClient
+    from rlbus.common import protocol as P
+    from rlbus.common.client import BrokerClient
 
     port, pub = free_port(), free_port()
     sets = [f"broker.port={port}", f"broker.pub_port={pub}", f"buffer.dir={data_dir}", f"run.dir={data_dir}",

@@ -48,14 +48,14 @@ def main() -> None:
     if args.smoke:
         args.batches, args.reload_every = 2, 1
 
-    from common import protocol as P
-    from common.client import BrokerClient
-    from common.config import load_config
-    from common.logging import setup_logging
-    from common.weights.digest import weights_digest
-    from explorer.engine import Engine
-    from explorer.main import Explorer
-    from explorer.models import resolve_model
+    from rlbus.common import protocol as P
+    from rlbus.common.client import BrokerClient
+    from rlbus.common.config import load_config
+    from rlbus.common.logging import setup_logging
+    from rlbus.weights.digest import weights_digest
+    from rlbus.explorer.engine import Engine
+    from rlbus.explorer.main import Explorer
+    from rlbus.weights.models import resolve_model
 
     setup_logging("bench", "warning", "json")
     model = Path(resolve_model(args.model))

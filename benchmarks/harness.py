@@ -25,7 +25,7 @@ def free_port() -> int:
 def broker_process(sets: list[str], buffer_dir: Path, profile: str = "") -> Iterator[subprocess.Popen]:
     """`rlbus broker` with `--set` overrides, ready when this yields; stopped with SIGTERM after."""
     prefix = ["-m", "cProfile", "-o", profile] if profile else []
-    cmd = [sys.executable, *prefix, "-m", "common.cli", "broker"] + [x for s in sets for x in ("--set", s)]
+    cmd = [sys.executable, *prefix, "-m", "rlbus.cli", "broker"] + [x for s in sets for x in ("--set", s)]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL)
     try:
         endpoints = Path(buffer_dir) / "endpoints.json"

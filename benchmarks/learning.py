@@ -102,7 +102,7 @@ def run_seed(config: str, seed: int, sets: list[str], root: Path) -> dict:
     run_dir = root / f"seed-{seed}"
     overrides = [f"run.dir={run_dir}", f"data.seed={seed}", f"trainer.seed={seed}", f"broker.port={free_port()}",
                  f"broker.pub_port={free_port()}", "logging.format=json", *sets]
-    cmd = [sys.executable, "-m", "common.cli", "up", config] + [x for s in overrides for x in ("--set", s)]
+    cmd = [sys.executable, "-m", "rlbus.cli", "up", config] + [x for s in overrides for x in ("--set", s)]
     started = time.time()
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=open(root / f"seed-{seed}.log", "w"),
                             start_new_session=True)

@@ -50,7 +50,7 @@ def run_mode(mode: str, steps: int, model: str, root: Path) -> Path:
             "explorer.tasks_per_lease=4", "explorer.max_tokens=24", "trainer.lr=5e-6", "trainer.micro_batch=8",
             "algorithm.skip_zero_spread=false", "trainer.autocast=bfloat16", "trainer.threads=1",
             "logging.format=json", "launch.status_interval_s=30"]
-    cmd = [sys.executable, "-m", "common.cli", "up", str(REPO / "configs" / "modes" / f"{mode}.yaml")]
+    cmd = [sys.executable, "-m", "rlbus.cli", "up", str(REPO / "configs" / "modes" / f"{mode}.yaml")]
     cmd += [x for s in sets for x in ("--set", s)]
     started = time.monotonic()
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)

@@ -35,7 +35,7 @@ TEST = "assert double(21) == 42"
 
 
 def bench_code(execs: int) -> tuple[float, float]:
-    from reward.sandbox import Sandbox
+    from rlbus.reward.sandbox import Sandbox
 
     sandbox = Sandbox()
     started = time.perf_counter()
@@ -50,15 +50,15 @@ def bench_code(execs: int) -> tuple[float, float]:
 
 
 def bench_code_via_worker(execs: int) -> float:
-    from common import protocol as P
-    from common.client import BrokerClient
+    from rlbus.common import protocol as P
+    from rlbus.common.client import BrokerClient
 
     port, pub = free_port(), free_port()
     with tempfile.TemporaryDirectory(prefix="rlbus-bench-") as tmp:
         sets = [f"broker.port={port}", f"broker.pub_port={pub}", f"buffer.dir={tmp}", f"run.dir={tmp}",
                 "logging.level=warning"]
         with broker_process(sets, Path(tmp)):
-            worker = subprocess.Popen([sys.executable, "-m", "common.cli", "reward", "--broker",
+            worker = subprocess.Popen([sys.executable, "-m", "rlbus.cli", "reward", "--broker",
                                        f"tcp://127.0.0.1:{port}", "--service", "code", "--set",
                                        "logging.level=warning"], cwd=REPO, stderr=subprocess.DEVNULL)
             try:
@@ -83,8 +83,8 @@ def bench_rm(pairs: int, batch: int) -> tuple[float, float]:
     import torch
     from transformers import AutoModelForSequenceClassification
 
-    from explorer.models import prepare_bundled
-    from reward.rm import RewardModel
+    from rlbus.weights.models import prepare_bundled
+    from rlbus.reward.rm import RewardModel
 
     base = prepare_bundled("smollm2-135m")
     with tempfile.TemporaryDirectory(prefix="rlbus-rm-") as tmp:

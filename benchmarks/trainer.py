@@ -41,10 +41,10 @@ def run_variant(model: str, steps: int, shared_prompt: bool, micro_batch: int) -
     import numpy as np
     from structlog.testing import capture_logs
 
-    from common.client import BrokerClient
-    from common.config import load_config
-    from common.trajectory import encode_payload
-    from trainer.main import Trainer
+    from rlbus.common.client import BrokerClient
+    from rlbus.common.config import load_config
+    from rlbus.common.trajectory import encode_payload
+    from rlbus.trainer.main import Trainer
 
     port, pub = free_port(), free_port()
     rng = np.random.default_rng(0)
@@ -87,7 +87,7 @@ def main() -> None:
     if args.smoke:
         args.steps = 1
 
-    from explorer.models import resolve_model
+    from rlbus.weights.models import resolve_model
 
     model = str(resolve_model(args.model))
     figures = {}

@@ -41,7 +41,7 @@ from benchmarks.harness import REPO, broker_process, free_port  # noqa: E402
 
 
 def bare_receiver(ann: dict, rank: int, rounds: int, ready) -> None:
-    from common.weights.broadcast import Layout, epoch_store, make_comm
+    from rlbus.weights.broadcast import Layout, epoch_store, make_comm
 
     store, _ = epoch_store(ann["address"], ann["epoch"], 120)
     store.wait(["layout"])
@@ -57,7 +57,7 @@ def bare_receiver(ann: dict, rank: int, rounds: int, ready) -> None:
 
 def bare_broadcast(layout, buckets, k: int, rounds: int = 3) -> float:
     """Median seconds to broadcast every bucket from rank 0 to k plain processes (gloo, loopback)."""
-    from common.weights.broadcast import epoch_store, make_comm, serve_store
+    from rlbus.weights.broadcast import epoch_store, make_comm, serve_store
 
     store, port = serve_store("127.0.0.1", 0, 120)
     ann = {"address": f"127.0.0.1:{port}", "epoch": 1000 + k, "world": k + 1}
@@ -102,7 +102,7 @@ class Fleet:
         self.procs: list[subprocess.Popen] = []
 
     def add(self, name: str) -> None:
-        args = [sys.executable, "-m", "common.cli", "explorer", "--broker", self.broker, "--name", name]
+        args = [sys.executable, "-m", "rlbus.cli", "explorer", "--broker", self.broker, "--name", name]
         for s in (f"broker.pub_port={self.pub_port}", f"model.path={self.model}", "explorer.memory_fraction=0.15",
                   "explorer.max_tokens=4", "explorer.tasks_per_lease=1", "logging.format=json",
                   f"logging.file={self.logs / name}.jsonl"):
@@ -145,11 +145,11 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from common.client import BrokerClient
-    from common.config import load_config
-    from explorer.models import resolve_model
-    from trainer.broadcast import BroadcastPublisher
-    from trainer.publish import CheckpointPublisher
+    from rlbus.common.client import BrokerClient
+    from rlbus.common.config import load_config
+    from rlbus.weights.models import resolve_model
+    from rlbus.trainer.broadcast import BroadcastPublisher
+    from rlbus.trainer.publish import CheckpointPublisher
 
     model_dir = resolve_model(args.model)
     root = Path(tempfile.mkdtemp(prefix="rlbus-wsync-"))

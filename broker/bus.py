@@ -16,8 +16,8 @@ from typing import Any
 import structlog
 import zmq
 
-from broker.store import Store
-from common import protocol as P
+from rlbus.broker.store import Store
+from rlbus.common import protocol as P
 
 log = structlog.get_logger()
 

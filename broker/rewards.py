@@ -19,8 +19,8 @@ from typing import Any, Callable
 
 import structlog
 
-from broker.peers import Peer, Peers
-from common import protocol as P
+from rlbus.broker.peers import Peer, Peers
+from rlbus.common import protocol as P
 
 log = structlog.get_logger()
 

@@ -24,16 +24,16 @@ from typing import Any
 import structlog
 import zmq
 
-from broker.bus import WeightBus
-from broker.peers import Peer, Peers
-from broker.rewards import RewardRouter
-from broker.store import Group, Store
-from broker.tasks import TaskQueue, refusal
-from broker.writer import Writer
-from common import protocol as P
-from common.config import RunConfig
-from common.curve import load_server_auth
-from common.tasksets import make_taskset
+from rlbus.broker.bus import WeightBus
+from rlbus.broker.peers import Peer, Peers
+from rlbus.broker.rewards import RewardRouter
+from rlbus.broker.store import Group, Store
+from rlbus.broker.tasks import TaskQueue, refusal
+from rlbus.broker.writer import Writer
+from rlbus.common import protocol as P
+from rlbus.common.config import RunConfig
+from rlbus.common.curve import load_server_auth
+from rlbus.common.tasksets import make_taskset
 
 log = structlog.get_logger()
 
@@ -281,7 +281,7 @@ class Broker:
     # ---- tasks ------------------------------------------------------------
 
     def refusal(self, batch_index: int, version: int) -> tuple[str, int] | None:
-        """Admission control for an explorer holding `version` (see broker.tasks.refusal)."""
+        """Admission control for an explorer holding `version` (see rlbus.broker.tasks.refusal)."""
         queued = (sum(len(g.trajs) for g in self.store.ready.values()) // max(1, self.cfg.data.repeat)
                   + len(self.tasks.leases)) // self.cfg.data.batch_tasks
         step = self.trainer_step

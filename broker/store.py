@@ -26,7 +26,7 @@ from pathlib import Path
 from contextlib import contextmanager
 from typing import Any, Iterable, Iterator
 
-from common.protocol import pack, unpack
+from rlbus.common.protocol import pack, unpack
 
 # Group states. FILLING and READY are derived from how many samples are
 # stored; the others are recorded in the batches and retired tables.

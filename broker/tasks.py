@@ -19,8 +19,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from broker.store import Store
-from common.tasksets import Taskset
+from rlbus.broker.store import Store
+from rlbus.common.tasksets import Taskset
 
 
 @dataclass(slots=True)

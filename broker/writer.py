@@ -15,7 +15,7 @@ import threading
 import structlog
 import zmq
 
-from broker.store import Store, WriteJob
+from rlbus.broker.store import Store, WriteJob
 
 log = structlog.get_logger()
 

@@ -37,8 +37,8 @@ from typing import Any, Callable
 import structlog
 import zmq
 
-from common import protocol as P
-from common.curve import configure_client
+from rlbus.common import protocol as P
+from rlbus.common.curve import configure_client
 
 log = structlog.get_logger()
 

@@ -18,7 +18,7 @@ import random
 from pathlib import Path
 from typing import Any, Protocol
 
-from common.config import DataConfig
+from rlbus.common.config import DataConfig
 
 ARITH_PROMPT = "What is {a} + {b}? Answer with just the number."
 GUESS_PROMPT = ("I am thinking of an integer between {low} and {high}. Guess it; after each guess I will say "

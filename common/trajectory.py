@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from common.protocol import pack, unpack
+from rlbus.common.protocol import pack, unpack
 
 PAYLOAD_VERSION = 1
 _ALLOWED = {"int8", "uint8", "int16", "int32", "int64", "float16", "float32", "float64", "bool"}

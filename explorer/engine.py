@@ -24,8 +24,8 @@ from typing import Sequence
 
 import structlog
 
-from common.weights.digest import matches
-from explorer.lifeline import owning_engines
+from rlbus.weights.digest import matches
+from rlbus.explorer.lifeline import owning_engines
 
 log = structlog.get_logger()
 
@@ -70,7 +70,7 @@ class Engine:
             self.llm = LLM(model=model, dtype=dtype, seed=seed, max_model_len=max_model_len,
                            gpu_memory_utilization=memory_fraction, enforce_eager=enforce_eager,
                            logprobs_mode="processed_logprobs",
-                           worker_extension_cls="explorer.worker_ext.WeightSyncExtension")
+                           worker_extension_cls="rlbus.explorer.worker_ext.WeightSyncExtension")
         self.tokenizer = self.llm.get_tokenizer()
         self.model = model
         self.version = version

@@ -27,14 +27,14 @@ from typing import Any
 
 import structlog
 
-from common import protocol as P
-from common.client import BrokerClient, BrokerUnreachable, default_name
-from common.config import RunConfig
-from common.logging import bind
-from explorer.engine import DigestMismatch
-from explorer.envs import make_env
-from explorer.rollout import multi_turn, single_turn
-from reward.base import from_config
+from rlbus.common import protocol as P
+from rlbus.common.client import BrokerClient, BrokerUnreachable, default_name
+from rlbus.common.config import RunConfig
+from rlbus.common.logging import bind
+from rlbus.explorer.engine import DigestMismatch
+from rlbus.explorer.envs import make_env
+from rlbus.explorer.rollout import multi_turn, single_turn
+from rlbus.reward.base import from_config
 
 log = structlog.get_logger()
 
@@ -61,7 +61,7 @@ class Explorer:
                                    curve_server_key=b.curve_server_key, curve_client_key=b.curve_client_key)
         welcome = self.client.start(timeout=60)
         if self.cfg.reward.service:
-            from reward.worker import RemoteReward
+            from rlbus.reward.worker import RemoteReward
 
             self.reward_fn = RemoteReward(self.client, self.cfg.reward.service, self.cfg.reward.eval_timeout_s)
         # The broker's view of the run wins over this process's config: every
@@ -76,7 +76,7 @@ class Explorer:
     def _capabilities(self) -> dict[str, Any]:
         if self.cfg.explorer.receive == "checkpoint":
             return {"sync_methods": ["checkpoint"]}
-        from common.weights.broadcast import resolve_backend, unavailable
+        from rlbus.weights.broadcast import resolve_backend, unavailable
 
         backend = resolve_backend(self.cfg.sync.broadcast_backend)
         reason = unavailable(backend)
@@ -140,7 +140,7 @@ class Explorer:
         every, version = self.cfg.explorer.eval_every, self.engine.version
         if not every or version in self.evaluated or not (force or version % every == 0):
             return None
-        from common.tasksets import make_taskset
+        from rlbus.common.tasksets import make_taskset
 
         held_out = make_taskset(self.cfg.data, eval_set=True)
         tasks = [held_out.task(i) for i in range(len(held_out))]
@@ -149,7 +149,7 @@ class Explorer:
         started = time.monotonic()
         prompts = [self.engine.chat_prompt([{"role": "user", "content": t["prompt"]}]) for t in tasks]
         outs = self.engine.generate(prompts, n=1, temperature=0.0, max_tokens=self.cfg.explorer.max_tokens)
-        from reward.base import Response
+        from rlbus.reward.base import Response
 
         scores = [self.reward_fn(t, Response(o[0].text, o[0].token_ids)).score for t, o in zip(tasks, outs)]
         accuracy = sum(1 for s in scores if s >= 1.0) / len(scores)
@@ -231,8 +231,8 @@ def _unacknowledged(puts: list[Future]) -> list[Future]:
 
 def run(cfg: RunConfig) -> None:
     """Entry point of `rlbus explorer`."""
-    from explorer.engine import Engine
-    from explorer.models import resolve_model
+    from rlbus.explorer.engine import Engine
+    from rlbus.weights.models import resolve_model
 
     engine = Engine(resolve_model(cfg.model.path, cfg.model.cache_dir), seed=cfg.trainer.seed,
                     memory_fraction=cfg.explorer.memory_fraction, dtype=cfg.explorer.dtype,

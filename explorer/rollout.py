@@ -15,8 +15,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from common.trajectory import encode_payload
-from reward.base import Response, evaluate
+from rlbus.common.trajectory import encode_payload
+from rlbus.reward.base import Response, evaluate
 
 
 def score_all(reward_fn: Callable, tasks: list[dict], responses: list[Response], name: str) -> list:

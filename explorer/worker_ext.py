@@ -44,7 +44,7 @@ class WeightSyncExtension:
         is loaded unless every bucket arrived and the digest matches; on any
         failure the place is dropped, so the next announcement starts clean.
         """
-        from common.weights.broadcast import Member
+        from rlbus.weights.broadcast import Member
 
         member = getattr(self, "_rlbus_member", None)
         if member is not None and member.key != (announcement["address"], announcement["epoch"]):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from typing import Any, Mapping
 
-from reward.base import Response, RewardResult, register
+from rlbus.reward.base import Response, RewardResult, register
 
 _INT = re.compile(r"-?\d+")
 

@@ -124,8 +124,8 @@ def combine(terms: Sequence[tuple[str, float, Mapping[str, Any]]]) -> RewardFn:
 
 def from_config(cfg) -> RewardFn:
     """The reward a `RewardConfig` describes, wrapped so failures score `failure_score`."""
-    from reward import code
-    from reward.sandbox import Limits
+    from rlbus.reward import code
+    from rlbus.reward.sandbox import Limits
 
     code.configure(Limits(cfg.sandbox_cpu_s, cfg.sandbox_memory_mb, cfg.sandbox_file_mb, cfg.sandbox_processes,
                           wall_s=cfg.sandbox_wall_s), python=cfg.sandbox_python)
@@ -137,4 +137,4 @@ def from_config(cfg) -> RewardFn:
 
 
 def _load_builtins() -> None:
-    from reward import arith, code, countdown, guess, math, rm, text  # noqa: F401  (they register themselves)
+    from rlbus.reward import arith, code, countdown, guess, math, rm, text  # noqa: F401  (they register themselves)

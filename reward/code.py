@@ -10,8 +10,8 @@ from __future__ import annotations
 import re
 from typing import Any, Mapping
 
-from reward.base import Response, RewardResult, register
-from reward.sandbox import Limits, Sandbox
+from rlbus.reward.base import Response, RewardResult, register
+from rlbus.reward.sandbox import Limits, Sandbox
 
 _FENCE = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.DOTALL)
 _sandbox: Sandbox | None = None

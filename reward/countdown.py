@@ -12,7 +12,7 @@ import re
 from collections import Counter
 from typing import Any, Mapping
 
-from reward.base import Response, RewardResult, register
+from rlbus.reward.base import Response, RewardResult, register
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
 _EQUATION = re.compile(r"[\d\s()+\-*/.]+")

@@ -12,7 +12,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Any, Mapping, Sequence
 
-from reward.base import Response, RewardResult, register
+from rlbus.reward.base import Response, RewardResult, register
 
 
 class RewardModel:

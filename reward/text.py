@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from typing import Any, Mapping
 
-from reward.base import Response, RewardResult, register
+from rlbus.reward.base import Response, RewardResult, register
 
 
 @register("format")

@@ -16,11 +16,11 @@ from typing import Any, Callable
 
 import structlog
 
-from common import protocol as P
-from common.client import BrokerClient, default_name
-from common.config import RunConfig
-from common.logging import bind
-from reward.base import Response, RewardResult, evaluate, from_config, resolve
+from rlbus.common import protocol as P
+from rlbus.common.client import BrokerClient, default_name
+from rlbus.common.config import RunConfig
+from rlbus.common.logging import bind
+from rlbus.reward.base import Response, RewardResult, evaluate, from_config, resolve
 
 log = structlog.get_logger()
 
@@ -48,7 +48,7 @@ class RewardWorker:
         self.served = 0
 
     def _rm_handler(self) -> Callable[[list[dict]], list[dict]]:
-        from reward.rm import RewardModel
+        from rlbus.reward.rm import RewardModel
 
         if not self.cfg.reward.rm_path:
             raise ValueError("service rm needs reward.rm_path (a sequence-classification model directory)")

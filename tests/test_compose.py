@@ -12,8 +12,8 @@ import pytest
 import yaml
 from typer.main import get_command
 
-from common.cli import app
-from common.config import load_config
+from rlbus.cli import app
+from rlbus.common.config import load_config
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import pytest
 
-from broker.store import Store
-from common import protocol as P
+from rlbus.broker.store import Store
+from rlbus.common import protocol as P
 from tests.conftest import REPO
 
 STEPS = 16
@@ -89,7 +89,7 @@ def cli(component: str, run: Path, ports: tuple[int, int], *extra: str) -> list[
             "trainer.broker_timeout_s=1", "trainer.threads=1", "explorer.dtype=float32",
             "explorer.memory_fraction=0.08", "explorer.max_tokens=48", "explorer.tasks_per_lease=2",
             "explorer.eval_every=0", "algorithm.skip_zero_spread=false", "logging.format=json", *extra]
-    return [sys.executable, "-m", "common.cli", component, *[x for s in sets for x in ("--set", s)]]
+    return [sys.executable, "-m", "rlbus.cli", component, *[x for s in sets for x in ("--set", s)]]
 
 
 def events(path: Path, event: str) -> list[dict]:

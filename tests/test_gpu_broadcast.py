@@ -34,7 +34,7 @@ needs_two_gpus = pytest.mark.skipif(_gpus() < 2, reason="needs two CUDA GPUs and
 def _member(ann: dict, rank: int, device: str, out) -> None:
     import torch
 
-    from common.weights.broadcast import Member
+    from rlbus.weights.broadcast import Member
     from tests.helpers.bcast_member import fingerprint
 
     torch.cuda.set_device(device)
@@ -48,7 +48,7 @@ def _member(ann: dict, rank: int, device: str, out) -> None:
 def test_nccl_broadcast_between_two_gpus_checks_the_digest():
     import torch
 
-    from common.weights.broadcast import Layout, bucket_digest, epoch_store, make_comm, serve_store
+    from rlbus.weights.broadcast import Layout, bucket_digest, epoch_store, make_comm, serve_store
     from tests.helpers.bcast_member import fingerprint
 
     torch.cuda.set_device("cuda:0")
@@ -89,13 +89,13 @@ def test_cuda_vllm_member_generates_with_broadcast_weights(broker_factory, clien
     import torch
     from transformers import AutoModelForCausalLM
 
-    from common.config import load_config
-    from explorer.engine import Engine
-    from explorer.main import Explorer
-    from explorer.models import make_tiny, resolve_model
+    from rlbus.common.config import load_config
+    from rlbus.explorer.engine import Engine
+    from rlbus.explorer.main import Explorer
+    from rlbus.weights.models import make_tiny, resolve_model
     from tests.explorer.test_explorer import explorer_config
-    from trainer.broadcast import BroadcastPublisher
-    from trainer.publish import CheckpointPublisher
+    from rlbus.trainer.broadcast import BroadcastPublisher
+    from rlbus.trainer.publish import CheckpointPublisher
 
     base = str(make_tiny(tmp_path / "tiny", resolve_model("smollm2-135m")))
     engine = Engine(base, dtype="bfloat16", memory_fraction=0.3)

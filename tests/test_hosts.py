@@ -65,7 +65,7 @@ def test_broker_trainer_and_explorer_on_separate_hosts(hosts, tiny_model, tmp_pa
     procs = []
 
     def start(role, command, *extra):
-        args = ["ip", "netns", "exec", names[role], sys.executable, "-m", "common.cli", command, *common,
+        args = ["ip", "netns", "exec", names[role], sys.executable, "-m", "rlbus.cli", command, *common,
                 "--set", f"logging.file={tmp_path}/{command}.jsonl", *extra]
         procs.append(subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL,
                                       stderr=open(tmp_path / f"{command}.err", "w"), start_new_session=True))

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from common.config import load_config
-from common.timeline import build
+from rlbus.common.config import load_config
+from rlbus.timeline import build
 from tests.conftest import REPO, free_port
 
 STEPS = 8
@@ -29,7 +29,7 @@ def run_preset(preset: str, tiny_model: str, tmp_path: Path, *extra: str, timeou
             "explorer.memory_fraction=0.1", "explorer.tasks_per_lease=2", "algorithm.skip_zero_spread=false",
             'launch.trainer_cpus=""', "launch.explorer_cpus=[]", "logging.format=json", *extra]
     preset_path = REPO / "configs" / "modes" / f"{preset}.yaml"
-    args = [sys.executable, "-m", "common.cli", "up", str(preset_path)] + [x for s in sets for x in ("--set", s)]
+    args = [sys.executable, "-m", "rlbus.cli", "up", str(preset_path)] + [x for s in sets for x in ("--set", s)]
     up = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         _, err = up.communicate(timeout=timeout)

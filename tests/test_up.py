@@ -22,7 +22,7 @@ def test_up_runs_broker_trainer_and_explorer_to_the_end(tiny_model, tmp_path):
             "explorer.memory_fraction=0.1", "launch.explorers=1", "launch.status_interval_s=1",
             "logging.format=json", "algorithm.skip_zero_spread=false", "explorer.eval_every=2",
             "data.eval_size=6"]
-    args = [sys.executable, "-m", "common.cli", "up"] + [x for s in sets for x in ("--set", s)]
+    args = [sys.executable, "-m", "rlbus.cli", "up"] + [x for s in sets for x in ("--set", s)]
     done = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=600)
     events = [json.loads(line) for line in done.stderr.splitlines() if line.startswith("{")]
     assert done.returncode == 0, done.stderr[-3000:]
@@ -47,7 +47,7 @@ def test_up_runs_broker_trainer_and_explorer_to_the_end(tiny_model, tmp_path):
     assert (run_dir / "checkpoints").exists()
     assert any(e["event"] == "run_progress" for e in events)
     # The timeline draws exactly what the logs say.
-    from common.timeline import render
+    from rlbus.timeline import render
 
     spans = render(run_dir, tmp_path / "timeline.png")
     assert (tmp_path / "timeline.png").stat().st_size > 10_000
@@ -72,7 +72,7 @@ def test_components_stop_when_the_launcher_is_killed(tiny_model, tmp_path):
 
     sets = [f"run.dir={tmp_path / 'run'}", f"model.path={tiny_model}", f"broker.port={free_port()}",
             f"broker.pub_port={free_port()}", "launch.explorers=0", "logging.format=json"]
-    args = [sys.executable, "-m", "common.cli", "up"] + [x for s in sets for x in ("--set", s)]
+    args = [sys.executable, "-m", "rlbus.cli", "up"] + [x for s in sets for x in ("--set", s)]
     up = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     pids = []
     try:
@@ -118,8 +118,8 @@ def _exists(pid: int) -> bool:
 
 @pytest.mark.parametrize("together, told, expected", [(True, 0, 3), (True, 1, 1), (False, 0, 0)])
 def test_the_effective_config_has_the_trainer_wait_for_every_explorer(tmp_path, together, told, expected):
-    from common.config import load_config
-    from common.launcher import Launcher
+    from rlbus.common.config import load_config
+    from rlbus.launcher import Launcher
 
     cfg = load_config(None, [f"run.dir={tmp_path}/run", "broker.port=5555", "broker.pub_port=5556",
                              "launch.explorers=3", f"launch.start_together={together}",
@@ -145,7 +145,7 @@ def test_closing_the_terminal_stops_the_run_and_leaves_no_process(tiny_model, tm
             "explorer.max_tokens=8", "explorer.dtype=float32", "explorer.memory_fraction=0.1",
             "launch.explorers=1", "launch.status_interval_s=1", "logging.format=json", "explorer.eval_every=0",
             "algorithm.skip_zero_spread=false"]
-    args = [sys.executable, "-m", "common.cli", "up"] + [x for s in sets for x in ("--set", s)]
+    args = [sys.executable, "-m", "rlbus.cli", "up"] + [x for s in sets for x in ("--set", s)]
     master, terminal = pty.openpty()
 
     def own_terminal() -> None:  # a session of its own, with the pty as its controlling terminal

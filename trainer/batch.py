@@ -18,9 +18,9 @@ import numpy as np
 import structlog
 import torch
 
-from common import protocol as P
-from common.trajectory import decode_payload
-from trainer.algorithms import advantages, group_relative, zero_spread_groups
+from rlbus.common import protocol as P
+from rlbus.common.trajectory import decode_payload
+from rlbus.trainer.algorithms import advantages, group_relative, zero_spread_groups
 
 log = structlog.get_logger()
 

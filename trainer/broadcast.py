@@ -29,11 +29,11 @@ from typing import Any
 
 import structlog
 
-from common import protocol as P
-from common.config import RunConfig
-from common.weights.broadcast import (BroadcastError, Layout, bucket_digest, epoch_store, make_comm,
+from rlbus.common import protocol as P
+from rlbus.common.config import RunConfig
+from rlbus.weights.broadcast import (BroadcastError, Layout, bucket_digest, epoch_store, make_comm,
                                       resolve_backend, serve_store, unavailable, unique_tensors)
-from trainer.publish import CheckpointPublisher
+from rlbus.trainer.publish import CheckpointPublisher
 
 log = structlog.get_logger()
 

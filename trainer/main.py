@@ -35,16 +35,16 @@ import numpy as np
 import structlog
 import torch
 
-from common import protocol as P
-from common.client import BrokerClient, BrokerError, BrokerUnreachable
-from common.config import RunConfig
-from common.logging import bind, significant
-from trainer import checkpoint
-from trainer.algorithms import LossConfig, policy_loss
-from trainer.batch import Batch, build_batch, decode_batch
-from trainer.model import DTYPES, load_model, token_logprobs
-from trainer.packing import packed_token_logprobs, pack, packs
-from trainer.publish import CheckpointPublisher, Publisher
+from rlbus.common import protocol as P
+from rlbus.common.client import BrokerClient, BrokerError, BrokerUnreachable
+from rlbus.common.config import RunConfig
+from rlbus.common.logging import bind, significant
+from rlbus.trainer import checkpoint
+from rlbus.trainer.algorithms import LossConfig, policy_loss
+from rlbus.trainer.batch import Batch, build_batch, decode_batch
+from rlbus.trainer.model import DTYPES, load_model, token_logprobs
+from rlbus.trainer.packing import packed_token_logprobs, pack, packs
+from rlbus.trainer.publish import CheckpointPublisher, Publisher
 
 log = structlog.get_logger()
 
@@ -100,7 +100,7 @@ class Trainer:
         if publisher is None:
             publisher = CheckpointPublisher(run_dir / "weights", model_path, dtype=DTYPES[cfg.explorer.dtype])
             if cfg.sync.sync_method == "nccl":
-                from trainer.broadcast import BroadcastPublisher
+                from rlbus.trainer.broadcast import BroadcastPublisher
 
                 publisher = BroadcastPublisher(cfg, publisher, dtype=DTYPES[cfg.explorer.dtype],
                                                device=t.device)
@@ -393,7 +393,7 @@ class Trainer:
 
 def run(cfg: RunConfig) -> None:
     """Entry point of `rlbus trainer`."""
-    from explorer.models import resolve_model
+    from rlbus.weights.models import resolve_model
 
     try:
         trainer = Trainer(cfg, resolve_model(cfg.model.path, cfg.model.cache_dir))

@@ -17,7 +17,7 @@ the sum of what each response sends back through it, the gradients are
 those of the per-sample path, up to floating-point summation order.
 
 `pack` builds the layout; `packed_token_logprobs` returns the same
-[B, T-1] tensors as `trainer.model.token_logprobs` on the padded rows.
+[B, T-1] tensors as `rlbus.trainer.model.token_logprobs` on the padded rows.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.model import logprobs_at
+from rlbus.trainer.model import logprobs_at
 
 
 @dataclass

@@ -18,7 +18,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Protocol
 
-from common.weights.digest import weights_digest
+from rlbus.weights.digest import weights_digest
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                     "generation_config.json", "vocab.json", "merges.txt")

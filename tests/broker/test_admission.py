@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from common import protocol as P
-from common.config import SyncConfig
+from rlbus.common import protocol as P
+from rlbus.common.config import SyncConfig
 
 
 @pytest.mark.parametrize("interval,offset,expected", [

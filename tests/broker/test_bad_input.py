@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from common import protocol as P
+from rlbus.common import protocol as P
 from tests.conftest import group, recv
 
 

@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from common import protocol as P
-from common.client import BrokerError
+from rlbus.common import protocol as P
+from rlbus.common.client import BrokerError
 from tests.conftest import group, recv
 
 

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from broker.store import Store
+from rlbus.broker.store import Store
 from tests.conftest import REPO
 
 
@@ -16,8 +16,9 @@ def test_sigkill_broker_while_producers_stream(broker_factory, tmp_path):
     b = broker_factory("buffer.capacity=100000")
     groups = 400
     outs = [tmp_path / f"acked-{i}.txt" for i in range(2)]
+    errs = [tmp_path / f"producer-{i}.stderr" for i in range(2)]  # files, not pipes: nothing must block a producer
     producers = [subprocess.Popen([sys.executable, "-m", "tests.helpers.producer", b.address, f"p{i}", str(groups),
-                                   str(outs[i])], cwd=REPO, stderr=subprocess.PIPE) for i in range(2)]
+                                   str(outs[i])], cwd=REPO, stderr=errs[i].open("wb")) for i in range(2)]
     try:
         # Let them get going, then kill the broker mid-stream.
         deadline = time.monotonic() + 30
@@ -28,8 +29,8 @@ def test_sigkill_broker_while_producers_stream(broker_factory, tmp_path):
         b.kill(signal.SIGKILL)
         time.sleep(0.5)
         b.start()
-        for p in producers:
-            assert p.wait(120) == 0, p.stderr.read().decode()[-2000:]
+        for p, err in zip(producers, errs):
+            assert p.wait(120) == 0, err.read_text(errors="replace")[-2000:]
     finally:
         for p in producers:
             if p.poll() is None:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from common import protocol as P
-from common.client import BrokerClient
-from common.curve import make_keys
+from rlbus.common import protocol as P
+from rlbus.common.client import BrokerClient
+from rlbus.common.curve import make_keys
 
 
 @pytest.fixture

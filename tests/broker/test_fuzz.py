@@ -16,7 +16,7 @@ import zmq
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 
-from common import protocol as P  # noqa: E402
+from rlbus.common import protocol as P  # noqa: E402
 from tests.conftest import group  # noqa: E402
 
 FIELDS = sorted({f for schema in P.SCHEMAS.values() for f in schema} | set(P.TRAJECTORY_SCHEMA)
@@ -71,7 +71,7 @@ class Run:
     """One broker for every example, with the well-behaved peers that check it between messages."""
 
     def __init__(self, data_dir):
-        from common.client import BrokerClient
+        from rlbus.common.client import BrokerClient
         from tests.conftest import BrokerProcess
 
         self.broker = BrokerProcess(data_dir, ["sync.sync_style=async", "sync.max_staleness=1000000",

@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from broker import store as S
+from rlbus.broker import store as S
 from tests.conftest import group
 
 

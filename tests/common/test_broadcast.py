@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from common.weights.broadcast import (BroadcastError, Layout, bucket_digest, epoch_store, make_comm, serve_store,
+from rlbus.weights.broadcast import (BroadcastError, Layout, bucket_digest, epoch_store, make_comm, serve_store,
                                       unique_tensors)
 from tests.helpers import bcast_member
 

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from common import protocol as P
-from common.client import BrokerClient, BrokerUnreachable
+from rlbus.common import protocol as P
+from rlbus.common.client import BrokerClient, BrokerUnreachable
 from tests.conftest import group
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from common.config import ConfigError, RunConfig, load_config
+from rlbus.common.config import ConfigError, RunConfig, load_config
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = sorted((REPO / "configs").rglob("*.yaml"))

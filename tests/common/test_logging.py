@@ -7,7 +7,7 @@ import json
 
 import structlog
 
-from common.logging import bind, setup_logging
+from rlbus.common.logging import bind, setup_logging
 
 
 def test_json_lines_with_bound_context_and_file_sink(tmp_path):
@@ -34,7 +34,7 @@ def test_console_view_still_writes_json_to_file(tmp_path):
 
 
 def test_metrics_keep_significant_digits_not_decimal_places():
-    from common.logging import significant
+    from rlbus.common.logging import significant
 
     assert significant(1.5e-05) == 1.5e-05  # rounding to 5 places would log 2e-05
     assert significant(0.123456789) == 0.12346

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from common.logview import Filter, parse_since, read_events, show
+from rlbus.logview import Filter, parse_since, read_events, show
 from tests.conftest import REPO
 
 
@@ -67,9 +67,12 @@ def test_readable_lines_and_since_parsing(run_dir):
         parse_since("yesterday")
 
 
-def test_follow_prints_what_components_append(run_dir):
-    proc = subprocess.Popen([sys.executable, "-m", "common.cli", "logs", str(run_dir), "--follow", "--json",
-                             "--level", "info"], cwd=REPO, stdout=subprocess.PIPE, text=True)
+@pytest.mark.parametrize("started", ["plainly", "with_sigint_ignored"])
+def test_follow_prints_what_components_append(run_dir, started):
+    # A script that starts a command with `&` (or a CI runner) hands it SIGINT ignored; Ctrl-C must still work.
+    ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if started == "with_sigint_ignored" else None
+    proc = subprocess.Popen([sys.executable, "-m", "rlbus.cli", "logs", str(run_dir), "--follow", "--json",
+                             "--level", "info"], cwd=REPO, stdout=subprocess.PIPE, text=True, preexec_fn=ignore)
     try:
         seen = [json.loads(proc.stdout.readline())["event"] for _ in range(4)]
         assert seen == ["broker_ready", "train_step", "bad_message", "boom"]
@@ -81,10 +84,10 @@ def test_follow_prints_what_components_append(run_dir):
                                                               ("explorer_connected", "explorer-1")]
     finally:
         os.kill(proc.pid, signal.SIGINT)
-        proc.wait(10)
+        assert proc.wait(10) == 0
 
 
 def test_missing_run_dir_is_a_clear_error(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "common.cli", "logs", str(tmp_path / "nope")], cwd=REPO,
+    done = subprocess.run([sys.executable, "-m", "rlbus.cli", "logs", str(tmp_path / "nope")], cwd=REPO,
                           capture_output=True, text=True)
     assert done.returncode == 2 and "give a run directory" in done.stderr

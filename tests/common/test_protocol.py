@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from common import protocol as P
-from common.trajectory import decode_payload, encode_payload
+from rlbus.common import protocol as P
+from rlbus.common.trajectory import decode_payload, encode_payload
 
 
 def test_roundtrip_keeps_command_header_and_payloads():

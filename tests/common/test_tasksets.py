@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from common.config import load_config
-from common.tasksets import ARITH_PROMPT, CountdownTaskset, make_taskset
-from reward.base import Response, resolve
+from rlbus.common.config import load_config
+from rlbus.common.tasksets import ARITH_PROMPT, CountdownTaskset, make_taskset
+from rlbus.reward.base import Response, resolve
 
 
 def test_arith_is_deterministic_and_matches_the_specified_prompt():

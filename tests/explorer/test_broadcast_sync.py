@@ -13,17 +13,17 @@ from pathlib import Path
 
 import torch
 
-from common import protocol as P
-from common.config import load_config
-from common.weights.digest import weights_digest
-from explorer.main import Explorer
+from rlbus.common import protocol as P
+from rlbus.common.config import load_config
+from rlbus.weights.digest import weights_digest
+from rlbus.explorer.main import Explorer
 from tests.conftest import REPO
 from tests.explorer.test_explorer import explorer_config
 
 
 def publisher(tmp_path: Path, base_model: str, timeout_s: float):
-    from trainer.broadcast import BroadcastPublisher
-    from trainer.publish import CheckpointPublisher
+    from rlbus.trainer.broadcast import BroadcastPublisher
+    from rlbus.trainer.publish import CheckpointPublisher
 
     cfg = load_config(None, ["sync.sync_method=nccl", "sync.broadcast_backend=gloo", f"sync.sync_timeout_s={timeout_s}",
                              "sync.bucket_mb=4"], environ={})
@@ -34,7 +34,7 @@ def publisher(tmp_path: Path, base_model: str, timeout_s: float):
 def tiny_weights(tmp_path: Path, tiny_model: str, seed: int):
     from transformers import AutoModelForCausalLM
 
-    from explorer.models import make_tiny
+    from rlbus.weights.models import make_tiny
 
     return AutoModelForCausalLM.from_pretrained(make_tiny(tmp_path / f"w{seed}", tiny_model, seed=seed),
                                                 dtype=torch.float32)
@@ -83,7 +83,7 @@ def test_mixed_fleet_late_joiner_gets_the_checkpoint_then_the_broadcast(broker_f
     pub.attach(trainer)
     # A checkpoint-only explorer process: outside the broadcast group.
     log_file = tmp_path / "files.jsonl"
-    args = [sys.executable, "-m", "common.cli", "explorer", "--broker", b.address, "--name", "files"]
+    args = [sys.executable, "-m", "rlbus.cli", "explorer", "--broker", b.address, "--name", "files"]
     for s in (f"broker.pub_port={b.pub_port}", "broker.heartbeat_interval_s=0.2", f"model.path={tiny_model}",
               "explorer.dtype=float32", "explorer.memory_fraction=0.1", "explorer.max_tokens=8",
               "explorer.tasks_per_lease=2", "explorer.receive=checkpoint", "logging.format=json",

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from explorer.engine import inline_core
+from rlbus.explorer.engine import inline_core
 
 
 def test_generate_shapes_and_logprobs(engine):

@@ -9,11 +9,11 @@ import time
 import numpy as np
 import pytest
 
-from common import protocol as P
-from common.config import load_config
-from common.trajectory import decode_payload
-from common.weights.digest import weights_digest
-from explorer.main import Explorer
+from rlbus.common import protocol as P
+from rlbus.common.config import load_config
+from rlbus.common.trajectory import decode_payload
+from rlbus.weights.digest import weights_digest
+from rlbus.explorer.main import Explorer
 
 
 def explorer_config(b, *sets):
@@ -74,7 +74,7 @@ def test_behaviour_logprobs_match_a_transformers_forward(engine, tiny_model):
 def test_new_checkpoint_is_loaded_and_trajectories_carry_its_version(broker_factory, clients, engine, tiny_model,
                                                                      tmp_path):
     """After PUBLISH, the explorer loads the weights (digest checked) and tags trajectories with the version."""
-    from explorer.models import make_tiny
+    from rlbus.weights.models import make_tiny
 
     b = broker_factory("sync.sync_style=async", "sync.max_staleness=8", "data.repeat=4", "data.batch_tasks=2")
     trainer = clients(b, "trainer", "tr")
@@ -130,8 +130,8 @@ def test_lockstep_explorer_waits_for_the_version_it_needs(broker_factory, client
 
 def test_trajectory_metadata_passes_the_broker_schema(engine):
     """What the workflow builds is exactly what PUT validation accepts."""
-    from explorer.rollout import single_turn
-    from reward.base import resolve
+    from rlbus.explorer.rollout import single_turn
+    from rlbus.reward.base import resolve
 
     lease = {"lease_id": "t0.0", "task_id": "arith-0-0", "seq": 0, "batch_index": 0,
              "task": {"prompt": "What is 1 + 1? Answer with just the number.", "answer": "2"}}

@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from common import protocol as P
-from explorer.engine import inline_core
-from explorer.main import Explorer
+from rlbus.common import protocol as P
+from rlbus.explorer.engine import inline_core
+from rlbus.explorer.main import Explorer
 from tests.conftest import REPO
 from tests.explorer.test_explorer import explorer_config
 
@@ -22,7 +22,7 @@ def test_explorer_killed_mid_batch_has_its_leases_reissued(broker_factory, clien
     b = broker_factory("sync.sync_style=async", "sync.max_staleness=100", "data.repeat=4", "data.batch_tasks=2",
                        "data.max_tasks=6")
     tool = clients(b, "tool", "watch")
-    args = [sys.executable, "-m", "common.cli", "explorer", "--broker", b.address, "--name", "victim"]
+    args = [sys.executable, "-m", "rlbus.cli", "explorer", "--broker", b.address, "--name", "victim"]
     for s in (f"broker.pub_port={b.pub_port}", "broker.heartbeat_interval_s=0.2", f"model.path={tiny_model}",
               "explorer.dtype=float32", "explorer.memory_fraction=0.1", "explorer.max_tokens=400",
               "explorer.tasks_per_lease=2", "logging.format=json"):
@@ -63,7 +63,7 @@ def test_explorer_killed_mid_batch_has_its_leases_reissued(broker_factory, clien
 
 def _start_explorer(b, name: str, tmp_path, *sets: str) -> subprocess.Popen:
     """A standalone `rlbus explorer` in a session of its own, logging JSON to tmp_path/NAME.jsonl."""
-    args = [sys.executable, "-m", "common.cli", "explorer", "--broker", b.address, "--name", name]
+    args = [sys.executable, "-m", "rlbus.cli", "explorer", "--broker", b.address, "--name", name]
     for s in (f"broker.pub_port={b.pub_port}", "broker.heartbeat_interval_s=0.2", "explorer.dtype=float32",
               "explorer.memory_fraction=0.1", "explorer.max_tokens=200", "explorer.tasks_per_lease=2", "logging.format=json", f"logging.file={tmp_path}/{name}.jsonl", *sets):
         args += ["--set", s]

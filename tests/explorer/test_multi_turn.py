@@ -6,11 +6,11 @@ import time
 
 import numpy as np
 
-from common.tasksets import GuessTaskset
-from common.trajectory import decode_payload
-from explorer.envs import make_env
-from explorer.rollout import multi_turn
-from reward.base import resolve
+from rlbus.common.tasksets import GuessTaskset
+from rlbus.common.trajectory import decode_payload
+from rlbus.explorer.envs import make_env
+from rlbus.explorer.rollout import multi_turn
+from rlbus.reward.base import resolve
 
 
 def runs(mask):

@@ -20,7 +20,7 @@ def fingerprint(tensor) -> str:
 
 
 def receive(ann: dict, rank: int, versions: list[int], out) -> None:
-    from common.weights.broadcast import BroadcastError, Member
+    from rlbus.weights.broadcast import BroadcastError, Member
 
     try:
         member = Member(dict(ann, rank=rank))
@@ -35,7 +35,7 @@ def receive(ann: dict, rank: int, versions: list[int], out) -> None:
 
 
 def receive_then_die(ann: dict, rank: int, out) -> None:
-    from common.weights.broadcast import Member
+    from rlbus.weights.broadcast import Member
 
     member = Member(dict(ann, rank=rank))
     member.comm.broadcast(member.buckets[0])
@@ -48,8 +48,8 @@ def victim_main(broker: str, bus: str, name: str, marker: str) -> None:
     bucket, touches `marker`, then waits to be killed."""
     from pathlib import Path
 
-    from common.client import BrokerClient
-    from common.weights.broadcast import Member
+    from rlbus.common.client import BrokerClient
+    from rlbus.weights.broadcast import Member
 
     client = BrokerClient(broker, "explorer", name, bus_address=bus, heartbeat_interval_s=0.2,
                           capabilities={"sync_methods": ["checkpoint", "nccl"], "broadcast_backends": ["gloo"]})

@@ -7,7 +7,7 @@ the file is a lower bound on what the broker promised to keep.
 
 import sys
 
-from common.client import BrokerClient
+from rlbus.common.client import BrokerClient
 from tests.conftest import group
 
 

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from common.tasksets import ArithTaskset, CountdownTaskset, GuessTaskset
-from reward.base import REGISTRY, Response, RewardResult, _load_builtins, evaluate, resolve
+from rlbus.common.tasksets import ArithTaskset, CountdownTaskset, GuessTaskset
+from rlbus.reward.base import REGISTRY, Response, RewardResult, _load_builtins, evaluate, resolve
 
 _load_builtins()
 TASKS = {"arith": ArithTaskset(0).task(0), "countdown": CountdownTaskset(0).task(0), "guess": GuessTaskset(0).task(0),
@@ -45,7 +45,7 @@ def test_exceptions_and_non_finite_scores_become_the_failure_score():
 
 
 def test_weighted_combination_and_parameters():
-    from reward.base import combine
+    from rlbus.reward.base import combine
 
     fn = combine([("math", 1.0, {}), ("format", 0.5, {"pattern": r"\\boxed\{.*\}"})])
     r = fn({"answer": "3"}, Response("\\boxed{3}"))
@@ -62,7 +62,7 @@ def test_math_extraction_prefers_boxed_then_last_number():
 
 
 def test_rewards_by_dotted_path_and_clear_errors():
-    assert resolve("reward.arith:last_integer_matches") is REGISTRY["arith"]
+    assert resolve("rlbus.reward.arith:last_integer_matches") is REGISTRY["arith"]
     with pytest.raises(ValueError, match="registered ones are"):
         resolve("nonesuch")
     with pytest.raises(ValueError, match="cannot be loaded"):

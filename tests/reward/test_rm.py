@@ -21,7 +21,7 @@ def tiny_rm(tiny_model, tmp_path_factory):
 
 
 def test_batched_scores_equal_one_by_one_forward_passes(tiny_rm):
-    from reward.rm import RewardModel
+    from rlbus.reward.rm import RewardModel
 
     rm = RewardModel(tiny_rm, batch_size=3)
     prompts = ["What is 2 + 2?"] * 5
@@ -33,7 +33,7 @@ def test_batched_scores_equal_one_by_one_forward_passes(tiny_rm):
 
 
 def test_rm_as_a_reward_plugin(tiny_rm):
-    from reward.base import Response, evaluate, resolve
+    from rlbus.reward.base import Response, evaluate, resolve
 
     r = evaluate(resolve("rm"), {"prompt": "hi"}, Response("hello"))
     assert r.score == 0.0 and "params.path" in r.reason

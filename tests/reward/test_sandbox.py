@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from reward.sandbox import Limits, Sandbox, capabilities
+from rlbus.reward.sandbox import Limits, Sandbox, capabilities
 
 
 @pytest.fixture(scope="module")

@@ -11,10 +11,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from common import protocol as P
-from common.client import BrokerError
-from reward.base import Response
-from reward.worker import RemoteReward
+from rlbus.common import protocol as P
+from rlbus.common.client import BrokerError
+from rlbus.reward.base import Response
+from rlbus.reward.worker import RemoteReward
 from tests.conftest import REPO
 
 SLOW = "tests.helpers.slow_reward:score"
@@ -25,7 +25,7 @@ def workers(tmp_path):
     started = []
 
     def start(b, name):
-        args = [sys.executable, "-m", "common.cli", "reward", "--broker", b.address, "--name", name,
+        args = [sys.executable, "-m", "rlbus.cli", "reward", "--broker", b.address, "--name", name,
                 "--service", "math", "--service", SLOW, "--set", "broker.heartbeat_interval_s=0.2",
                 "--set", "logging.format=json"]
         proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"{name}.log", "w"))

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from trainer.algorithms import (LossConfig, advantages, aggregate, group_relative, kl_estimate, policy_loss,
+from rlbus.trainer.algorithms import (LossConfig, advantages, aggregate, group_relative, kl_estimate, policy_loss,
                                 zero_spread_groups)
 
 R = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0])
@@ -100,8 +100,8 @@ def test_kl_term_is_added_with_its_coefficient():
 
 
 def test_lr_schedules_warm_up_then_keep_or_decay_to_the_floor():
-    from common.config import load_config
-    from trainer.main import lr_factor
+    from rlbus.common.config import load_config
+    from rlbus.trainer.main import lr_factor
 
     def factors(*sets, steps=12):
         t = load_config(None, ["trainer.total_steps=10", *sets], environ={}).trainer

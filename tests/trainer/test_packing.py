@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.batch import Sample, build_batch
-from trainer.packing import pack, packed_token_logprobs
+from rlbus.trainer.batch import Sample, build_batch
+from rlbus.trainer.packing import pack, packed_token_logprobs
 
 SYSTEM = [5, 6, 7, 8, 9]  # a prefix common to every prompt, like a chat template's system prompt
 
@@ -67,7 +67,7 @@ def test_prompt_length_outside_the_row_is_refused():
 
 
 def _logprobs_and_grads(model, batch, packed: bool, autocast: bool = False):
-    from trainer.model import token_logprobs
+    from rlbus.trainer.model import token_logprobs
 
     model.zero_grad(set_to_none=True)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
@@ -88,7 +88,7 @@ def _logprobs_and_grads(model, batch, packed: bool, autocast: bool = False):
 def test_packed_logprobs_and_gradients_equal_one_row_per_sample(model_name, tiny_model):
     from transformers import AutoModelForCausalLM
 
-    from explorer.models import resolve_model
+    from rlbus.weights.models import resolve_model
 
     path = tiny_model if model_name == "tiny" else resolve_model("smollm2-135m")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -111,8 +111,8 @@ def test_packed_logprobs_and_gradients_equal_one_row_per_sample(model_name, tiny
 
 
 def test_trainer_step_is_the_same_with_and_without_shared_prompts(tiny_model, tmp_path):
-    from common.config import load_config
-    from trainer.main import Trainer
+    from rlbus.common.config import load_config
+    from rlbus.trainer.main import Trainer
 
     batch = example(seed=3)
     after = {}

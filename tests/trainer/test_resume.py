@@ -13,7 +13,7 @@ import time
 import torch
 from safetensors.torch import load_file
 
-from common import protocol as P
+from rlbus.common import protocol as P
 from tests.conftest import REPO
 from tests.trainer.test_trainer import synthetic
 
@@ -21,7 +21,7 @@ STEPS = 6
 
 
 def start_trainer(b, run_dir, tiny_model, log_path, steps=STEPS, checkpoint_every=2):
-    args = [sys.executable, "-m", "common.cli", "trainer", "--broker", b.address]
+    args = [sys.executable, "-m", "rlbus.cli", "trainer", "--broker", b.address]
     for s in ("broker.heartbeat_interval_s=0.2", f"run.dir={run_dir}", f"model.path={tiny_model}",
               "data.repeat=4", "data.batch_tasks=2", "sync.sync_style=async", "sync.max_staleness=100",
               "trainer.lr=1e-3", "trainer.micro_batch=3", f"trainer.total_steps={steps}", f"trainer.checkpoint_every={checkpoint_every}",
@@ -129,7 +129,7 @@ def test_trainer_waits_out_a_broker_outage_longer_than_its_request_timeout(broke
     steps = 4
     b = broker_factory("sync.sync_style=async", "sync.max_staleness=100", "data.repeat=4", "data.batch_tasks=2")
     log_path = tmp_path / "t.jsonl"
-    args = [sys.executable, "-m", "common.cli", "trainer", "--broker", b.address]
+    args = [sys.executable, "-m", "rlbus.cli", "trainer", "--broker", b.address]
     for s in ("broker.heartbeat_interval_s=0.2", f"run.dir={tmp_path / 'run'}", f"model.path={tiny_model}",
               "data.repeat=4", "data.batch_tasks=2", "sync.sync_style=async", "sync.max_staleness=100",
               "trainer.micro_batch=4", f"trainer.total_steps={steps}", "trainer.checkpoint_every=0",
@@ -167,7 +167,7 @@ def events_of(path) -> list[str]:
 def test_a_trainer_that_fails_says_why_in_its_log(broker_factory, tmp_path):
     b = broker_factory()
     log_path = tmp_path / "t.jsonl"
-    args = [sys.executable, "-m", "common.cli", "trainer", "--broker", b.address, "--set",
+    args = [sys.executable, "-m", "rlbus.cli", "trainer", "--broker", b.address, "--set",
             f"model.path={tmp_path / 'no-such-model'}", "--set", f"run.dir={tmp_path / 'run'}", "--set",
             "logging.format=json", "--set", f"logging.file={log_path}"]
     proc = subprocess.run(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120)

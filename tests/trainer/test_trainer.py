@@ -9,9 +9,9 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from common import protocol as P
-from common.config import load_config
-from common.trajectory import encode_payload
+from rlbus.common import protocol as P
+from rlbus.common.config import load_config
+from rlbus.common.trajectory import encode_payload
 
 LOGP = -math.log(49152)  # about what a random tiny model assigns: importance weights near 1
 
@@ -52,8 +52,8 @@ def test_trainer_steps_publish_and_published_weights_match_in_transformers_and_v
         broker_factory, clients, tiny_model, engine, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from trainer.main import Trainer
-    from trainer.model import token_logprobs
+    from rlbus.trainer.main import Trainer
+    from rlbus.trainer.model import token_logprobs
 
     b = broker_factory("sync.sync_style=async", "sync.max_staleness=4", "data.repeat=4", "data.batch_tasks=2")
     ex = clients(b, "explorer", "feeder")
@@ -77,7 +77,7 @@ def test_trainer_steps_publish_and_published_weights_match_in_transformers_and_v
         mine = trainer.model(ids).logits
         theirs = AutoModelForCausalLM.from_pretrained(weights, dtype=torch.float32)(ids).logits
     assert torch.allclose(mine, theirs, atol=1e-5)
-    from common.weights.digest import weights_digest
+    from rlbus.weights.digest import weights_digest
 
     engine.load_checkpoint(str(weights), weights_digest(weights), 2)
     try:
@@ -92,7 +92,7 @@ def test_trainer_steps_publish_and_published_weights_match_in_transformers_and_v
 
 
 def test_stale_trajectories_are_never_trained_on(broker_factory, clients, tiny_model, tmp_path):
-    from trainer.main import Trainer
+    from rlbus.trainer.main import Trainer
 
     b = broker_factory("sync.sync_style=async", "sync.max_staleness=1", "data.repeat=4", "data.batch_tasks=2")
     ex = clients(b, "explorer", "feeder")
@@ -110,7 +110,7 @@ def test_stale_trajectories_are_never_trained_on(broker_factory, clients, tiny_m
 
 
 def test_bad_trajectories_are_rejected_with_reasons_and_training_goes_on(broker_factory, clients, tiny_model, tmp_path):
-    from trainer.main import Trainer
+    from rlbus.trainer.main import Trainer
 
     b = broker_factory("sync.sync_style=async", "sync.max_staleness=4", "data.repeat=4", "data.batch_tasks=2")
     ex = clients(b, "explorer", "feeder")
@@ -131,7 +131,7 @@ def test_bad_trajectories_are_rejected_with_reasons_and_training_goes_on(broker_
 
 def test_nothing_to_train_still_counts_as_the_step(broker_factory, clients, tiny_model, tmp_path):
     """Lockstep: an all-zero-spread batch produces no update, but the version moves so explorers never stall."""
-    from trainer.main import Trainer
+    from rlbus.trainer.main import Trainer
 
     b = broker_factory("sync.sync_style=lockstep", "data.repeat=4", "data.batch_tasks=1")
     ex = clients(b, "explorer", "feeder")
@@ -154,7 +154,7 @@ def test_first_step_waits_for_the_explorers_it_was_told_of(broker_factory, clien
     waited for."""
     import threading
 
-    from trainer.main import Trainer
+    from rlbus.trainer.main import Trainer
 
     b = broker_factory("sync.sync_style=async", "sync.max_staleness=4", "data.repeat=4", "data.batch_tasks=2")
     ex = clients(b, "explorer", "early")
@@ -173,7 +173,7 @@ def test_first_step_waits_for_the_explorers_it_was_told_of(broker_factory, clien
 
 
 def test_a_missing_explorer_is_waited_for_only_so_long(broker_factory, clients, tiny_model, tmp_path):
-    from trainer.main import Trainer
+    from rlbus.trainer.main import Trainer
 
     b = broker_factory("sync.sync_style=async", "sync.max_staleness=4", "data.repeat=4", "data.batch_tasks=2")
     ex = clients(b, "explorer", "only")
@@ -192,7 +192,7 @@ def test_batch_loss_denominator_counts_the_all_equal_groups_left_out(tiny_model,
     """`algorithm.loss_denominator: batch`: a step on 12 trained samples of a 32-sample batch (20 in all-equal
     groups the broker skipped) has the loss and gradient of the trained-only step times 12/32."""
     from tests.trainer.test_packing import example
-    from trainer.main import Trainer
+    from rlbus.trainer.main import Trainer
 
     batch = example(seed=5)
     assert batch.size == batch.fetched_samples == 12

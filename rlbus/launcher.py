@@ -29,7 +29,7 @@ from pathlib import Path
 
 import structlog
 
-from common.config import RunConfig, dump_config, parse_cpus
+from rlbus.common.config import RunConfig, dump_config, parse_cpus
 
 log = structlog.get_logger()
 
@@ -76,7 +76,7 @@ class Launcher:
     # ---- children ---------------------------------------------------------
 
     def _start(self, child: Child) -> None:
-        args = [sys.executable, "-m", "common.cli", child.command, str(self.snapshot), *child.extra,
+        args = [sys.executable, "-m", "rlbus.cli", child.command, str(self.snapshot), *child.extra,
                 "--set", "logging.format=json", "--set", f"logging.file={self.logs / (child.name + '.jsonl')}"]
         out = open(self.logs / f"{child.name}.out", "ab")
         cpus = child.cpus

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.logview import read_events
+from rlbus.logview import read_events
 
 COLOURS = {"rollout": "#4C72B0", "train": "#DD8452", "sync": "#55A868", "wait": "#BBBBBB", "publish": "#8172B3"}
 

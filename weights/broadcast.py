@@ -31,7 +31,7 @@ from typing import Any, Iterator
 
 import msgpack
 
-from common.weights.digest import hasher, default_algorithm
+from rlbus.weights.digest import hasher, default_algorithm
 
 ALIGN = 64  # bytes; every tensor view starts on a multiple of this
 

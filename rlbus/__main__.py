@@ -1,0 +1,5 @@
+"""`python -m rlbus` is the `rlbus` command."""
+
+from rlbus.cli import main
+
+main()
