@@ -38,23 +38,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.harness import REPO, free_port  # noqa: E402
+from rlbus.logview import events  # noqa: E402
 
 TARGET_TRAIN_S, REACH, HOLD, FINAL = 330.0, 0.90, 0.90, 0.93
-
-
-def events(path: Path, name: str) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text(errors="replace").splitlines():
-        if f'"{name}"' in line:
-            try:
-                e = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if e.get("event") == name:
-                out.append(e)
-    return out
 
 
 def analyse(run_dir: Path, started_ts: float) -> dict:

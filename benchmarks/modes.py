@@ -38,6 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.harness import REPO, free_port  # noqa: E402
+from rlbus.logview import events as log_events  # noqa: E402
 
 MODES = ["synchronous", "one_step_off_policy", "fully_async", "multi_explorer_async"]
 
@@ -61,8 +62,7 @@ def run_mode(mode: str, steps: int, model: str, root: Path) -> Path:
 
 
 def events(run_dir: Path, stem: str, event: str) -> list[dict]:
-    path = run_dir / "logs" / f"{stem}.jsonl"
-    return [json.loads(x) for x in path.read_text().splitlines() if f'"{event}"' in x]
+    return log_events(run_dir / "logs" / f"{stem}.jsonl", event)
 
 
 def measure(run_dir: Path, warmup: int) -> dict:

@@ -30,6 +30,7 @@ from pathlib import Path
 import structlog
 
 from rlbus.common.config import RunConfig, dump_config, parse_cpus
+from rlbus.logview import events, last_event
 
 log = structlog.get_logger()
 
@@ -147,29 +148,13 @@ class Launcher:
 
     # ---- progress ---------------------------------------------------------
 
-    def _last_event(self, name: str, event: str) -> dict | None:
-        """The newest event of a component's log whose line mentions `event` (a name or a field) in quotes."""
-        path = self.logs / f"{name}.jsonl"
-        if not path.exists():
-            return None
-        with open(path, "rb") as f:
-            f.seek(max(0, f.seek(0, os.SEEK_END) - 65536))
-            lines = f.read().decode("utf-8", "replace").splitlines()
-        for line in reversed(lines):
-            if f'"{event}"' in line:
-                try:
-                    return json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-        return None
-
     def progress(self) -> dict:
-        step = self._last_event("trainer", "train_step") or {}
+        step = last_event(self.logs / "trainer.jsonl", "train_step") or {}
         versions = {}
         for child in self.children[2:]:
-            batch = self._last_event(child.name, "explorer_batch") or {}
+            batch = last_event(self.logs / f"{child.name}.jsonl", "explorer_batch") or {}
             versions[child.name] = batch.get("policy_version")
-        broker = self._last_event("broker", "depth") or {}  # the newest broker event that carries a depth
+        broker = last_event(self.logs / "broker.jsonl", field="depth") or {}  # the newest broker event that carries a depth
         alive = sum(1 for c in self.children[2:] if c.proc is not None and c.proc.poll() is None)
         return {"step": step.get("step"), "reward_mean": step.get("reward_mean"), "explorer_versions": versions,
                 "buffer_depth": broker.get("depth"), "explorers_running": alive}
@@ -198,28 +183,15 @@ class Launcher:
             self.summary()
         return self.exit_code
 
-    def _events(self, name: str, event: str) -> list[dict]:
-        path = self.logs / f"{name}.jsonl"
-        if not path.exists():
-            return []
-        out = []
-        for line in path.read_text(errors="replace").splitlines():
-            if f'"{event}"' in line:
-                try:
-                    out.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue
-        return out
-
     def summary(self) -> dict:
         """The run in numbers: held-out accuracy before and after, time to 0.9, reward over the steps."""
-        evals = sorted(self._events("explorer-0", "eval"), key=lambda e: e["policy_version"])
-        steps = [e for e in self._events("trainer", "train_step") if e.get("reward_mean") is not None]
+        evals = sorted(events(self.logs / "explorer-0.jsonl", "eval"), key=lambda e: e["policy_version"])
+        steps = [e for e in events(self.logs / "trainer.jsonl", "train_step") if e.get("reward_mean") is not None]
         rewards = [e["reward_mean"] for e in steps]
         k = max(1, min(5, len(rewards) // 2))
         reached = [e["elapsed_s"] for e in evals if e["accuracy"] >= 0.9]
         result = {
-            "steps": len(self._events("trainer", "train_step")),
+            "steps": len(events(self.logs / "trainer.jsonl", "train_step")),
             "accuracy_before": evals[0]["accuracy"] if evals and evals[0]["policy_version"] == 0 else None,
             "accuracy_after": evals[-1]["accuracy"] if evals else None,
             "final_version": evals[-1]["policy_version"] if evals else None,

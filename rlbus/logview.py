@@ -62,20 +62,64 @@ def _events(path: Path, start: int = 0) -> Iterator[tuple[float, dict, str, int]
     """(ts, event, raw line, offset after it) for every complete JSON line from byte `start`."""
     with open(path, "rb") as f:
         f.seek(start)
-        offset = start
-        for raw in f:
-            if not raw.endswith(b"\n"):
-                break  # a line still being written: read it next time
-            offset += len(raw)
-            line = raw.decode("utf-8", "replace").strip()
-            if not line:
-                continue
-            try:
-                event = json.loads(line)
-            except json.JSONDecodeError:
-                event = {"event": "unparsed_line", "text": line[:500]}
-            event.setdefault("component", path.stem)
-            yield float(event.get("ts", 0.0)), event, line, offset
+        yield from _events_in(f, path.stem, offset=start)
+
+
+def events(path: str | Path, name: str | None = None) -> list[dict]:
+    """The events of one component's log (`name`: only those of that event), in the order written.
+
+    The one reader of rlbus's JSON-lines logs: the launcher, `rlbus logs`, the timeline, the benchmarks
+    and the tests all read through it. A missing file has no events; a line still being written is left
+    for the next read.
+    """
+    path = Path(path)
+    if not path.exists():
+        return []
+    needle = f'"{name}"'.encode() if name else b""
+    with open(path, "rb") as f:
+        raw = f.read()
+    return [e for _, e, line, _ in _events_in(raw.splitlines(keepends=True), path.stem, needle)
+            if name is None or e.get("event") == name]
+
+
+def last_event(path: str | Path, name: str | None = None, field: str | None = None,
+               tail_bytes: int = 65536) -> dict | None:
+    """The newest event of a log named `name` (or carrying `field`), from the last `tail_bytes` of the file."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    with open(path, "rb") as f:
+        start = max(0, f.seek(0, 2) - tail_bytes)
+        f.seek(start)
+        lines = f.read().splitlines(keepends=True)[1 if start else 0:]  # from mid-line: skip to the next
+    for _, e, _, _ in reversed(list(_events_in(lines, path.stem))):
+        if (name is None or e.get("event") == name) and (field is None or field in e):
+            return e
+    return None
+
+
+def _events_in(lines: Iterable[bytes], stem: str, needle: bytes = b"", offset: int = 0
+               ) -> Iterator[tuple[float, dict, str, int]]:
+    """(ts, event, line, offset after it) for every complete JSON line; lines without `needle` are skipped
+    unparsed (a cheap pre-filter for readers after one event name)."""
+    for raw in lines:
+        if not raw.endswith(b"\n"):
+            break  # a line still being written: read it next time
+        offset += len(raw)
+        if needle and needle not in raw:
+            continue
+        line = raw.decode("utf-8", "replace").strip()
+        if not line:
+            continue
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            event = {"event": "unparsed_line", "text": line[:500]}
+        if not isinstance(event, dict):
+            event = {"event": "unparsed_line", "text": line[:500]}
+        event.setdefault("component", stem)
+        ts = event.get("ts")
+        yield float(ts) if isinstance(ts, (int, float)) else 0.0, event, line, offset
 
 
 def format_event(event: dict) -> str:

@@ -14,7 +14,6 @@ process of the run is left.
 
 from __future__ import annotations
 
-import json
 import os
 from collections import Counter
 import random
@@ -29,6 +28,7 @@ import pytest
 
 from rlbus.broker.store import Store
 from rlbus.common import protocol as P
+from rlbus.logview import events
 from tests.conftest import REPO
 
 STEPS = 16
@@ -90,12 +90,6 @@ def cli(component: str, run: Path, ports: tuple[int, int], *extra: str) -> list[
             "explorer.memory_fraction=0.08", "explorer.max_tokens=48", "explorer.tasks_per_lease=2",
             "explorer.eval_every=0", "algorithm.skip_zero_spread=false", "logging.format=json", *extra]
     return [sys.executable, "-m", "rlbus.cli", component, *[x for s in sets for x in ("--set", s)]]
-
-
-def events(path: Path, event: str) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(x) for x in path.read_text().splitlines() if f'"{event}"' in x]
 
 
 def wait_until(what: str, check, procs: list[Proc], timeout: float = 150) -> None:

@@ -6,7 +6,6 @@ never trains on data staler than the bound.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from rlbus.common.config import load_config
+from rlbus.logview import events as log_events
 from rlbus.timeline import build
 from tests.conftest import REPO, free_port
 
@@ -43,8 +43,7 @@ def run_preset(preset: str, tiny_model: str, tmp_path: Path, *extra: str, timeou
 
 
 def events(run_dir: Path, name: str, event: str) -> list[dict]:
-    path = run_dir / "logs" / f"{name}.jsonl"
-    return [json.loads(x) for x in path.read_text().splitlines() if f'"{event}"' in x]
+    return log_events(run_dir / "logs" / f"{name}.jsonl", event)
 
 
 def explorer_names(run_dir: Path) -> list[str]:

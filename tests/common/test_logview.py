@@ -91,3 +91,16 @@ def test_missing_run_dir_is_a_clear_error(tmp_path):
     done = subprocess.run([sys.executable, "-m", "rlbus.cli", "logs", str(tmp_path / "nope")], cwd=REPO,
                           capture_output=True, text=True)
     assert done.returncode == 2 and "give a run directory" in done.stderr
+
+
+def test_one_reader_for_every_tool(run_dir):
+    from rlbus.logview import events, last_event
+
+    trainer = run_dir / "logs" / "trainer.jsonl"
+    write(trainer, {"ts": 6.0, "level": "info", "event": "note", "text": "mentions \"train_step\" in a field"})
+    assert [e["step"] for e in events(trainer, "train_step")] == [0]  # by name, not by substring
+    assert [e["event"] for e in events(trainer)] == ["train_step", "boom", "note"]
+    assert events(run_dir / "logs" / "explorer-0.jsonl")[-1]["event"] == "explorer_batch"  # the half line waits
+    assert last_event(trainer, "train_step")["step"] == 0
+    assert last_event(run_dir / "logs" / "broker.jsonl", field="code")["event"] == "bad_message"
+    assert events(run_dir / "logs" / "nope.jsonl", "x") == [] and last_event(run_dir / "nope.jsonl") is None
