@@ -2,9 +2,11 @@
 
 A single thread runs the loop: receive what is waiting, answer it, then do
 the periodic work (heartbeats, peer expiry, lease expiry, republishing the
-weight state, timing out held FETCHes). Consecutive PUTs are stored with one
-group commit before any of them is ACKed, so the fsync cost is shared by
-everything that arrived while the previous one ran.
+weight state, timing out held FETCHes). This module is the shell: sockets,
+the dispatch table (command -> handler and the roles that may send it),
+peers and timers. The services do the rest: the buffer (`buffer.py`: PUT,
+credit, FETCH, COMMIT), tasks and admission (`tasks.py`), the weight bus
+(`bus.py`) and reward routing (`rewards.py`).
 
 A message that does not follow docs/protocol.md gets an ERROR reply and a log
 line; nothing a peer sends can stop the loop or lose acknowledged data.
@@ -16,10 +18,8 @@ import json
 import os
 import time
 import uuid
-from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import structlog
 import zmq
@@ -27,9 +27,9 @@ import zmq
 from rlbus.broker.bus import WeightBus
 from rlbus.broker.peers import Peer, Peers
 from rlbus.broker.rewards import RewardRouter
-from rlbus.broker.store import Group, Store
+from rlbus.broker.buffer import Buffer
+from rlbus.broker.store import Store
 from rlbus.broker.tasks import TaskQueue, refusal
-from rlbus.broker.writer import Writer
 from rlbus.common import protocol as P
 from rlbus.common.config import RunConfig
 from rlbus.common.curve import load_server_auth
@@ -37,16 +37,9 @@ from rlbus.common.tasksets import make_taskset
 
 log = structlog.get_logger()
 
+_WHO = {"explorer": "explorers", "trainer": "the trainer", "reward": "reward workers"}
+
 PUT_DRAIN = 256  # messages taken off the socket before one group commit
-
-
-@dataclass(slots=True)
-class HeldFetch:
-    identity: bytes
-    msg: P.Message
-    deadline: float
-    expired: int = 0  # trajectories retired while it waited, reported in its EMPTY
-    skipped: int = 0
 
 
 class Broker:
@@ -61,13 +54,11 @@ class Broker:
         self.store.set_meta("run_id", self.run_id)
         self.started_at = self.store.get_meta("started_at") or time.time()
         self.store.set_meta("started_at", self.started_at)
-        self.trainer_step = int(self.store.get_meta("trainer_step", 0))
-        self.tasks = TaskQueue(self.store, make_taskset(cfg.data), cfg.data.batch_tasks, bcfg.lease_timeout_s)
         self.peers = Peers()
-        self.held: list[HeldFetch] = []
-        self.blocked: list[tuple[bytes, P.Message]] = []
-        self.writer = Writer(self.store, self.ctx)
-        self.rewards = RewardRouter(self.peers, self._send, cfg.reward.eval_timeout_s, cfg.reward.eval_attempts)
+        self.tasks = TaskQueue(self.store.catalog, make_taskset(cfg.data), cfg.data.batch_tasks,
+                               bcfg.lease_timeout_s)
+        self.buffer = Buffer(cfg, self.store, self.tasks, self.peers, self, self.ctx)
+        self.rewards = RewardRouter(self.peers, self.send, cfg.reward.eval_timeout_s, cfg.reward.eval_attempts)
         self._auth = None
         self.router = self.ctx.socket(zmq.ROUTER)
         self.pub = self.ctx.socket(zmq.PUB)
@@ -83,6 +74,15 @@ class Broker:
         self.port = self._bind(self.router, bcfg.port)
         self.pub_port = self._bind(self.pub, bcfg.pub_port)
         self.bus = WeightBus(self.pub, self.store, bcfg.republish_interval_s)
+        anyone = tuple(sorted(P.ROLES))
+        self.handlers: dict[str, tuple[Callable[[Peer, P.Message], None], tuple[str, ...]]] = {
+            P.HEARTBEAT: (self._heartbeat, anyone), P.BYE: (self._bye, anyone), P.STATUS: (self._status, anyone),
+            P.LEASE: (self._lease, ("explorer",)),
+            P.FETCH: (self.buffer.fetch, ("trainer",)), P.COMMIT: (self.buffer.commit, ("trainer",)),
+            P.PUBLISH: (self._publish, ("trainer",)),
+            P.EVAL: (lambda p, m: self.rewards.submit(p.identity, m), anyone),
+            P.RESULT: (self.rewards.result, ("reward",)),
+        }
         self._last_tick = 0.0
         self._running = True
 
@@ -102,16 +102,16 @@ class Broker:
         tmp.write_text(json.dumps(endpoints))
         os.replace(tmp, path)  # readers that poll for the file never see it half written
         log.info("broker_ready", run_id=self.run_id, port=self.port, pub_port=self.pub_port,
-                 depth=self.store.depth, trainer_step=self.trainer_step, weights_version=self.bus.state["version"],
-                 curve=self._auth is not None)
+                 depth=self.store.depth, trainer_step=self.buffer.trainer_step,
+                 weights_version=self.bus.state["version"], curve=self._auth is not None)
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
-        poller.register(self.writer.done, zmq.POLLIN)
+        poller.register(self.buffer.writer.done, zmq.POLLIN)
         end = None if stop_after is None else time.monotonic() + stop_after
         while self._running and (end is None or time.monotonic() < end):
             events = dict(poller.poll(self._poll_timeout_ms()))
-            if self.writer.done in events:
-                self._written()
+            if self.buffer.writer.done in events:
+                self.buffer.written()
             if self.router in events:
                 self._drain()
             self._tick()
@@ -122,8 +122,9 @@ class Broker:
 
     def _poll_timeout_ms(self) -> int:
         timeout = self.hb / 2
-        if self.held:
-            timeout = min(timeout, max(0.0, min(h.deadline for h in self.held) - time.time()))
+        held = self.buffer.next_deadline()
+        if held is not None:
+            timeout = min(timeout, max(0.0, held - time.time()))
         return int(timeout * 1000)
 
     def _drain(self) -> None:
@@ -138,7 +139,7 @@ class Broker:
                 msg = P.decode(body, self.cfg.broker.max_message_bytes)
                 P.validate(msg)
             except P.ProtocolError as exc:
-                self._bad(identity, exc, body)
+                self.bad(identity, exc, body)
                 continue
             peer = self.peers.get(identity)
             if peer is not None:
@@ -147,11 +148,11 @@ class Broker:
                 puts.append((identity, msg))
                 continue
             if puts:
-                self._guarded(self._store_puts, puts)
+                self._guarded(self.buffer.store_puts, puts)
                 puts = []
             self._guarded(self._dispatch, identity, msg)
         if puts:
-            self._guarded(self._store_puts, puts)
+            self._guarded(self.buffer.store_puts, puts)
 
     def _guarded(self, handler, *args) -> None:
         """Run one handler; a bug it hits is logged with its traceback and answered `ERROR internal`.
@@ -162,15 +163,15 @@ class Broker:
         try:
             handler(*args)
         except Exception as exc:
-            requests = args[0] if handler == self._store_puts else [args]
+            requests = args[0] if handler == self.buffer.store_puts else [args]
             log.exception("request_failed", command=requests[0][1].command if requests else None,
                           error=P.brief(exc))
             for identity, msg in requests:
-                self._reply(identity, msg, P.ERROR, {"code": "internal",
+                self.reply(identity, msg, P.ERROR, {"code": "internal",
                                                      "message": f"the broker failed on this request: "
                                                                 f"{type(exc).__name__}; see its log"})
 
-    def _bad(self, identity: bytes, exc: P.ProtocolError, body: list[bytes]) -> None:
+    def bad(self, identity: bytes, exc: P.ProtocolError, body: list[bytes]) -> None:
         peer = self.peers.get(identity)
         log.warning("bad_message", code=exc.code, reason=exc.message, peer=peer.name if peer else None,
                     frames=len(body))
@@ -182,9 +183,9 @@ class Broker:
             except Exception:
                 req = None
         ok = isinstance(req, int) and not isinstance(req, bool) and 0 <= req <= P.MAX_INT
-        self._send(identity, P.error(exc.code, exc.message, req if ok else None))
+        self.send(identity, P.error(exc.code, exc.message, req if ok else None))
 
-    def _send(self, identity: bytes, frames: list[bytes]) -> None:
+    def send(self, identity: bytes, frames: list[bytes]) -> None:
         try:
             # Large frames go without a copy: ZeroMQ holds a reference until sent.
             self.router.send_multipart([identity, *frames], zmq.NOBLOCK, copy=False)
@@ -195,7 +196,7 @@ class Broker:
         if peer is not None:
             peer.last_sent = time.time()
 
-    def _reply(self, identity: bytes, msg: P.Message, command: str, header: dict[str, Any],
+    def reply(self, identity: bytes, msg: P.Message, command: str, header: dict[str, Any],
                payloads: list[bytes] | None = None) -> None:
         if command == P.ERROR:  # every refusal is logged (docs/protocol.md, Errors)
             peer = self.peers.get(identity)
@@ -203,7 +204,7 @@ class Broker:
                         peer=peer.name if peer else None)
         if "req" in msg.header:
             header["req"] = msg.header["req"]
-        self._send(identity, P.encode(command, header, payloads))
+        self.send(identity, P.encode(command, header, payloads))
 
     def _dispatch(self, identity: bytes, msg: P.Message) -> None:
         if msg.command == P.HELLO:
@@ -212,21 +213,13 @@ class Broker:
         if peer is None:
             if msg.command == P.BYE:
                 return None
-            return self._reply(identity, msg, P.ERROR, {
+            return self.reply(identity, msg, P.ERROR, {
                 "code": "not_registered", "message": "say HELLO first (the broker may have restarted)"})
-        handler = {P.HEARTBEAT: self._heartbeat, P.BYE: self._bye, P.LEASE: self._lease, P.FETCH: self._fetch,
-                   P.COMMIT: self._commit, P.PUBLISH: self._publish, P.STATUS: self._status,
-                   P.EVAL: lambda p, m: self.rewards.submit(p.identity, m),
-                   P.RESULT: self.rewards.result}[msg.command]
-        if msg.command == P.RESULT and peer.role != "reward":
-            return self._reply(identity, msg, P.ERROR, {
-                "code": "bad_role", "message": f"RESULT is for reward workers; this peer is a {peer.role}"})
-        if msg.command in (P.FETCH, P.COMMIT, P.PUBLISH) and peer.role != "trainer":
-            return self._reply(identity, msg, P.ERROR, {
-                "code": "bad_role", "message": f"{msg.command} is for the trainer; this peer is a {peer.role}"})
-        if msg.command in (P.LEASE, P.PUT) and peer.role != "explorer":
-            return self._reply(identity, msg, P.ERROR, {
-                "code": "bad_role", "message": f"{msg.command} is for explorers; this peer is a {peer.role}"})
+        handler, roles = self.handlers[msg.command]
+        if peer.role not in roles:
+            return self.reply(identity, msg, P.ERROR, {
+                "code": "bad_role", "message": f"{msg.command} is for {_WHO[roles[0]] if len(roles) == 1 else roles}; "
+                                               f"this peer is a {peer.role}"})
         handler(peer, msg)
 
     # ---- peers ------------------------------------------------------------
@@ -237,12 +230,12 @@ class Broker:
         if h["role"] == "trainer":
             other = self.peers.other_trainer(h["name"])
             if other is not None:
-                return self._reply(identity, msg, P.ERROR, {
+                return self.reply(identity, msg, P.ERROR, {
                     "code": "conflict", "message": f"trainer {other.name!r} is already connected; one trainer per run"})
         holder = self.peers.holder(h, identity)
         if holder is not None:
             wait = max(0.0, self.expiry - (now - holder.last_seen))
-            return self._reply(identity, msg, P.ERROR, {
+            return self.reply(identity, msg, P.ERROR, {
                 "code": "conflict", "retry_after_s": round(wait + self.hb, 3),
                 "message": f"name {h['name']!r} belongs to a live {holder.role} (last heard "
                            f"{now - holder.last_seen:.1f} s ago); pick another name, or retry once it has "
@@ -254,9 +247,9 @@ class Broker:
         log.info("peer_joined", peer=peer.name, role=peer.role, policy_version=peer.policy_version,
                  reconnect=reconnect, peers=len(self.peers))
         s = self.cfg.sync
-        self._reply(identity, msg, P.WELCOME, {
+        self.reply(identity, msg, P.WELCOME, {
             "run_id": self.run_id, "started_at": self.started_at, "peer": peer.name, "heartbeat_interval_s": self.hb,
-            "liveness": self.cfg.broker.liveness, "weights": self.bus.state, "credit": self._credit(),
+            "liveness": self.cfg.broker.liveness, "weights": self.bus.state, "credit": self.buffer.credit(),
             "max_message_bytes": self.cfg.broker.max_message_bytes,
             "sync": {"sync_style": s.sync_style, "sync_interval": s.sync_interval, "sync_offset": s.sync_offset,
                      "max_staleness": s.max_staleness, "sync_method": s.sync_method,
@@ -284,7 +277,7 @@ class Broker:
         """Admission control for an explorer holding `version` (see rlbus.broker.tasks.refusal)."""
         queued = (sum(len(g.trajs) for g in self.store.ready.values()) // max(1, self.cfg.data.repeat)
                   + len(self.tasks.leases)) // self.cfg.data.batch_tasks
-        step = self.trainer_step
+        step = self.buffer.trainer_step
         taken = step in self.store.batches or step <= self.store.committed_step
         return refusal(self.cfg.sync, batch_index, version, step, queued, step + 1 if taken else step)
 
@@ -294,7 +287,7 @@ class Broker:
         now = time.time()
         room = self.cfg.buffer.capacity - self.store.depth - len(self.tasks.leases) * self.cfg.data.repeat
         if room < self.cfg.data.repeat:
-            return self._reply(peer.identity, msg, P.WAIT, {"reason": "buffer_full", "retry_after_s": self.hb})
+            return self.reply(peer.identity, msg, P.WAIT, {"reason": "buffer_full", "retry_after_s": self.hb})
         max_tasks = min(msg.header["max_tasks"], max(1, room // self.cfg.data.repeat))
         granted = self.tasks.lease(peer.name, max_tasks, now, lambda e: self.refusal(e, version) is None)
         if granted:
@@ -302,220 +295,34 @@ class Broker:
                       "batch_index": self.tasks.batch_of(lz.seq), "task": t} for lz, t in granted]
             log.info("tasks_leased", peer=peer.name, n=len(tasks), batch_index=tasks[0]["batch_index"],
                      policy_version=version, depth=self.store.depth)
-            return self._reply(peer.identity, msg, P.TASKS, {"tasks": tasks, "lease_s": self.cfg.broker.lease_timeout_s})
+            return self.reply(peer.identity, msg, P.TASKS, {"tasks": tasks, "lease_s": self.cfg.broker.lease_timeout_s})
         batch = self.tasks.next_batch()
         if batch is None:
             if self.tasks.leases:
-                return self._reply(peer.identity, msg, P.WAIT, {"reason": "leased", "retry_after_s": self.hb})
-            return self._reply(peer.identity, msg, P.DONE, {})
+                return self.reply(peer.identity, msg, P.WAIT, {"reason": "leased", "retry_after_s": self.hb})
+            return self.reply(peer.identity, msg, P.DONE, {})
         reason, need = self.refusal(batch, version) or ("ahead", 0)
         log.info("lease_wait", peer=peer.name, policy_version=version, reason=reason, need_version=need,
                  batch_index=batch)
         header = {"reason": reason, "retry_after_s": self.hb / 4 if reason == "ahead" else self.hb}
         if reason == "version":
             header["need_version"] = need
-        self._reply(peer.identity, msg, P.WAIT, header)
-
-    # ---- trajectories -----------------------------------------------------
-
-    def _credit(self) -> int:
-        return max(0, self.cfg.buffer.capacity - self.store.depth)
-
-    def _store_puts(self, puts: list[tuple[bytes, P.Message]]) -> None:
-        limit = self.cfg.broker.max_payload_bytes
-        batches: list[list[tuple[dict, bytes]]] = []
-        accepted: list[tuple[bytes, P.Message, list[str]]] = []
-        room = self._credit()
-        known = self.store.ids
-        adding: Counter[str] = Counter()  # samples the PUTs of this drain add to each group
-        sizes: dict[str, int] = {}
-        seen: set[str] = set()
-        for identity, msg in puts:
-            peer = self.peers.get(identity)
-            if peer is None:
-                self._reply(identity, msg, P.ERROR, {"code": "not_registered", "message": "say HELLO first"})
-                continue
-            if peer.role != "explorer":
-                self._reply(identity, msg, P.ERROR, {
-                    "code": "bad_role", "message": f"PUT is for explorers; this peer is a {peer.role}"})
-                continue
-            metas = msg.header["trajectories"]
-            too_big = next((m["id"] for m in metas if m["payload_bytes"] > limit), None)
-            if too_big is not None:
-                self._bad(identity, P.ProtocolError("too_large", f"payload of {too_big} exceeds {limit} bytes"),
-                          [P.PROTOCOL, b"PUT", P.pack({"req": msg.header.get("req")})])
-                continue
-            ids = [m["id"] for m in metas]
-            if not self.store.pending_ids.isdisjoint(ids):
-                # A resend of ids still being written: answer once those are durable.
-                self.blocked.append((identity, msg))
-                continue
-            fresh = len({i for i in ids if i not in known})
-            if fresh > room:
-                peer.starved = True
-                self._reply(identity, msg, P.ACK, {"stored": [], "duplicate": [i for i in ids if i in known],
-                                                   "deferred": [i for i in ids if i not in known],
-                                                   "credit": 0, "depth": self.store.depth})
-                continue
-            why = self.store.refuse_join(metas, adding, sizes, seen)
-            if why is not None:
-                self._reply(identity, msg, P.ERROR, {"code": "conflict", "message": f"nothing stored: {why}"})
-                continue
-            room -= fresh
-            for meta in metas:
-                meta["explorer"] = peer.name
-            batches.append(list(zip(metas, P.split_payloads(metas, msg.payloads[0]))))
-            accepted.append((identity, msg, ids))
-        if not batches:
-            return
-        job = self.store.prepare(batches)
-        if job is None:  # every id is durable already
-            return self._ack(accepted, [set()] * len(accepted))
-        job.acks = accepted
-        self.writer.submit(job)
-
-    def _ack(self, accepted: list[tuple[bytes, P.Message, list[str]]], stored_by: list[set[str]]) -> None:
-        """ACK each PUT: `stored` lists the ids that PUT itself stored, every other id is a `duplicate`
-        (stored before, or by another PUT of the same group commit)."""
-        credit = self._credit()
-        for (identity, msg, ids), stored in zip(accepted, stored_by, strict=True):
-            unique = list(dict.fromkeys(ids))
-            self._reply(identity, msg, P.ACK, {"stored": [i for i in unique if i in stored],
-                                               "duplicate": [i for i in unique if i not in stored],
-                                               "deferred": [], "credit": credit, "depth": self.store.depth})
-
-    def _written(self) -> None:
-        """Group commits the writer finished: ACK them, or refuse them if the disk failed."""
-        any_completed = False
-        for job, error in self.writer.completed():
-            if error:
-                self.store.abandon(job)
-                for identity, msg, _ in job.acks:
-                    self._reply(identity, msg, P.ERROR, {"code": "storage_error",
-                                                         "message": f"not stored, resend later: {error}"})
-                continue
-            completed = self.store.finish(job)
-            for group in completed:
-                self.tasks.complete(group.group_id)
-            any_completed |= bool(completed)
-            self._ack(job.acks, job.stored_by)
-        if self.blocked:
-            blocked, self.blocked = self.blocked, []
-            self._store_puts(blocked)
-        if self.held and any_completed:
-            self._serve_held()
-
-    # ---- trainer ----------------------------------------------------------
-
-    def _fetch(self, peer: Peer, msg: P.Message) -> None:
-        h = msg.header
-        step = h["step"]
-        if step <= self.store.committed_step and self.store.delivered(step) is None:
-            return self._reply(peer.identity, msg, P.ERROR, {
-                "code": "conflict", "message": f"step {step} was committed already (last committed: "
-                                               f"{self.store.committed_step}); fetch a later step"})
-        newest = max(self.trainer_step, self.store.committed_step)
-        if peer.fetched and step > newest + 1:  # a trainer's first FETCH says where it (re)starts
-            return self._reply(peer.identity, msg, P.ERROR, {
-                "code": "conflict", "message": f"step {step} skips steps: the trainer's last step here is "
-                                               f"{newest}; steps advance one at a time"})
-        peer.fetched = True
-        if step > self.trainer_step:
-            self.trainer_step = step  # made durable with the batch delivered for it
-        retired = self._try_fetch(peer.identity, msg)
-        if retired is not None:
-            wait_ms = h.get("wait_ms", 0)
-            if wait_ms > 0:
-                self.held.append(HeldFetch(peer.identity, msg, time.time() + wait_ms / 1000, *retired))
-            else:
-                self._empty(peer.identity, msg, *retired)
-
-    def _try_fetch(self, identity: bytes, msg: P.Message) -> tuple[int, int] | None:
-        """Deliver the batch of the FETCH's step if it can be made; else (expired, skipped) retired now.
-
-        A step has one batch: once delivered (and until committed) every FETCH of
-        that step gets the same groups again, whether it was held or not.
-        """
-        h = msg.header
-        step, batch_index = h["step"], h.get("batch_index")
-        again = self.store.delivered(step)
-        if again is not None:
-            log.info("batch_redelivered", step=step, groups=len(again))
-            self._send_batch(identity, msg, step, again, 0, 0)
-            return None
-        if batch_index is not None and not self.tasks.batch_resolved(batch_index):
-            return 0, 0
-        groups, expired, skipped = self.store.select(step, h["max_groups"], self.cfg.sync.max_staleness,
-                                                     batch_index, h.get("skip_zero_spread", False))
-        if expired or skipped:
-            log.info("groups_retired", step=step, expired=expired, skipped=skipped)
-            self._refill()
-        enough = len(groups) >= h.get("min_groups", 1) or (batch_index is not None)
-        if not enough:
-            return expired, skipped
-        self.store.deliver(step, groups, {"trainer_step": self.trainer_step})
-        log.info("batch_delivered", step=step, groups=len(groups), depth=self.store.depth)
-        self._send_batch(identity, msg, step, groups, expired, skipped)
-        return None
-
-    def _send_batch(self, identity: bytes, msg: P.Message, step: int, groups: list[Group],
-                    expired: int, skipped: int) -> None:
-        out = [{"group_id": g.group_id, "batch_index": g.batch_index, "trajectories": [t.meta for t in g.trajs]}
-               for g in groups]
-        frames = self.store.payload_frames([t for g in groups for t in g.trajs])
-        self._reply(identity, msg, P.BATCH, {"step": step, "groups": out, "expired": expired, "skipped": skipped},
-                    frames)
-
-    def _empty(self, identity: bytes, msg: P.Message, expired: int, skipped: int) -> None:
-        self._reply(identity, msg, P.EMPTY, {"step": msg.header["step"], "reason": "not_enough_ready_groups",
-                                             "depth": self.store.depth, "expired": expired, "skipped": skipped})
-
-    def _serve_held(self) -> None:
-        still = []
-        for held in self.held:
-            if held.identity not in self.peers:
-                continue
-            retired = self._try_fetch(held.identity, held.msg)
-            if retired is not None:
-                held.expired += retired[0]
-                held.skipped += retired[1]
-                still.append(held)
-        self.held = still
-
-    def _commit(self, peer: Peer, msg: P.Message) -> None:
-        step = msg.header["step"]
-        if step not in self.store.batches and not self.store.was_delivered(step):
-            return self._reply(peer.identity, msg, P.ERROR, {
-                "code": "conflict", "message": f"no batch was delivered for step {step}"})
-        n = self.store.commit(step)
-        log.info("batch_committed", step=step, trajectories=n, depth=self.store.depth)
-        self._reply(peer.identity, msg, P.OK, {})
-        self._refill()
-
-    def _refill(self) -> None:
-        """Tell producers that were given zero credit that there is room again."""
-        credit = self._credit()
-        if credit <= 0:
-            return
-        for peer in self.peers:
-            if peer.starved:
-                peer.starved = False
-                self._send(peer.identity, P.encode(P.CREDIT, {"credit": credit}))
+        self.reply(peer.identity, msg, P.WAIT, header)
 
     def _publish(self, peer: Peer, msg: P.Message) -> None:
         error = self.bus.publish(msg.header)
         if error is not None:
-            return self._reply(peer.identity, msg, P.ERROR, {"code": error.code, "message": error.message})
-        self._reply(peer.identity, msg, P.OK, {})
+            return self.reply(peer.identity, msg, P.ERROR, {"code": error.code, "message": error.message})
+        self.reply(peer.identity, msg, P.OK, {})
 
     def _status(self, peer: Peer, msg: P.Message) -> None:
-        self._reply(peer.identity, msg, P.STATUS, self.status())
+        self.reply(peer.identity, msg, P.STATUS, self.status())
 
     def status(self) -> dict[str, Any]:
         now = time.time()
         c = self.store.counts
         return {
-            "run_id": self.run_id, "weights": self.bus.state, "trainer_step": self.trainer_step,
+            "run_id": self.run_id, "weights": self.bus.state, "trainer_step": self.buffer.trainer_step,
             "peers": [{"name": p.name, "role": p.role, "policy_version": p.policy_version,
                        "last_seen_s": round(now - p.last_seen, 3), "leases": self.tasks.held_by(p.name),
                        "capabilities": p.info.get("capabilities", {})}
@@ -530,11 +337,7 @@ class Broker:
 
     def _tick(self) -> None:
         now = time.time()
-        if self.held:
-            for held in [h for h in self.held if h.deadline <= now]:
-                self.held.remove(held)
-                if held.identity in self.peers:
-                    self._empty(held.identity, held.msg, held.expired, held.skipped)
+        self.buffer.expire_held(now)
         if now - self._last_tick < self.hb / 2:
             return
         self._last_tick = now
@@ -542,7 +345,7 @@ class Broker:
             self._drop(peer, "expired")
         for peer in self.peers:
             if now - peer.last_sent >= self.hb:
-                self._send(peer.identity, P.encode(P.HEARTBEAT, {"credit": self._credit()}))
+                self.send(peer.identity, P.encode(P.HEARTBEAT, {"credit": self.buffer.credit()}))
         self.rewards.tick(now)
         expired = self.tasks.expire(now)
         if expired:
@@ -551,9 +354,7 @@ class Broker:
 
     def close(self) -> None:
         log.info("broker_stopping", depth=self.store.depth, peers=len(self.peers))
-        self.writer.stop()
-        self._written()
-        self.writer.done.close(0)
+        self.buffer.close()
         self.router.close(0)
         self.pub.close(0)
         if self._auth is not None:

@@ -1,52 +1,37 @@
-"""The broker's durable replay buffer.
+"""The broker's durable replay buffer: an in-memory index over a segment log and a catalogue.
 
-Payloads go to append-only segment files; their metadata, the groups, the
-delivered batches and the broker's own state live in SQLite (WAL mode). This
-is the Titanic idea and the way Kafka stores logs: SQLite alone tops out well
-below raw ZeroMQ for 9 KB rows on this disk, sequential appends with one
-fdatasync per group commit do not (docs/architecture.md has the figures).
+Payloads go to append-only segment files (`segments.py`); their metadata, the
+groups, the delivered batches and the broker's own state live in SQLite
+(`catalog.py`, WAL mode). This is the Titanic idea and the way Kafka stores
+logs: SQLite alone tops out well below raw ZeroMQ for 9 KB rows on this disk,
+sequential appends with one fdatasync per group commit do not
+(docs/architecture.md has the figures).
 
 Write order makes crashes safe: payload bytes are appended (and, with
 `fsync: group`, synced) before the metadata that points at them is
 committed, and the broker ACKs only after that commit. Bytes appended but
 never committed are unreachable garbage; each start opens a new segment.
 
-The in-memory indexes (ids, groups, ready queue) are rebuilt from SQLite at
-start, so queries never touch the disk except to read payloads back.
+The in-memory indexes (ids, groups, ready queue) are rebuilt from the
+catalogue at start, so queries never touch the disk except to read payloads
+back.
 """
 
 from __future__ import annotations
 
-import os
-import sqlite3
 import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from contextlib import contextmanager
-from typing import Any, Iterable, Iterator
+from typing import Any
 
-from rlbus.common.protocol import pack, unpack
+from rlbus.broker.catalog import Catalog
+from rlbus.broker.segments import SegmentLog
 
 # Group states. FILLING and READY are derived from how many samples are
 # stored; the others are recorded in the batches and retired tables.
 FILLING, READY, DELIVERED, COMMITTED, EXPIRED, SKIPPED = range(6)
 _RETIRED = {COMMITTED: "committed", EXPIRED: "expired", SKIPPED: "skipped"}
-
-# One `chunks` row per group commit of one PUT message: the metadata of its
-# trajectories, packed together, whose payloads lie back to back in the
-# segment from `offset`. Writing per message rather than per trajectory is
-# what lets SQLite keep up with ZeroMQ.
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value BLOB);
-CREATE TABLE IF NOT EXISTS chunks (
-    rowid INTEGER PRIMARY KEY, segment INTEGER NOT NULL, offset INTEGER NOT NULL, entries BLOB NOT NULL);
-CREATE TABLE IF NOT EXISTS batches (step INTEGER PRIMARY KEY, groups BLOB NOT NULL, committed INTEGER NOT NULL);
-CREATE TABLE IF NOT EXISTS retired (rowid INTEGER PRIMARY KEY, state INTEGER NOT NULL, groups BLOB NOT NULL);
-CREATE TABLE IF NOT EXISTS tasks (
-    seq INTEGER PRIMARY KEY, lease_id TEXT, holder TEXT, expires REAL, attempt INTEGER NOT NULL,
-    done INTEGER NOT NULL DEFAULT 0);
-"""
 
 
 @dataclass(slots=True)
@@ -99,15 +84,11 @@ class Store:
     def __init__(self, directory: str | Path, fsync: str = "group", segment_bytes: int = 256 << 20,
                  cache_bytes: int = 512 << 20):
         self.dir = Path(directory)
-        (self.dir / "segments").mkdir(parents=True, exist_ok=True)
         self.fsync = fsync == "group"
-        self.segment_bytes = segment_bytes
         self.cache_budget = cache_bytes
         self.cached = 0
-        self.db = self._connect()
-        self.db.executescript(_SCHEMA)
-        self._wdb: sqlite3.Connection | None = None
-        self._wfd: tuple[int, int] | None = None
+        self.segments = SegmentLog(self.dir / "segments", self.fsync, segment_bytes)
+        self.catalog = Catalog(self.dir / "buffer.sqlite3", self.fsync)
         self.pending_ids: set[str] = set()
         self.pending_groups: Counter[str] = Counter()  # group id -> trajectories of it being written
         self.ids: set[str] = set()
@@ -116,62 +97,33 @@ class Store:
         self.batches: dict[int, list[str]] = {}  # uncommitted delivered batches: step -> group ids
         self.committed_step = -1
         self.counts = {"stored": 0, "committed": 0, "expired": 0, "skipped": 0}
-        self._readers: dict[int, int] = {}
         self._recover()
-        # Each start appends to a new segment, past any bytes a crash left unreferenced.
-        existing = [int(p.stem) for p in (self.dir / "segments").glob("*.seg")]
-        self.segment, self._offset = max(existing, default=-1) + 1, 0
-
-    # ---- start-up ---------------------------------------------------------
 
     def _recover(self) -> None:
         trajs = []
-        for segment, offset, entries in self.db.execute("SELECT segment, offset, entries FROM chunks ORDER BY rowid"):
-            for meta, length, crc in unpack(entries):
+        for segment, offset, entries in self.catalog.chunks():
+            for meta, length, crc in entries:
                 trajs.append(Traj(meta["id"], meta["policy_version"], float(meta["reward"]), segment, offset,
                                   length, crc, meta))
                 offset += length
         self._attach(trajs)
-        for step, groups, committed in self.db.execute("SELECT step, groups, committed FROM batches ORDER BY step"):
-            for gid in unpack(groups):
+        for step, group_ids, committed in self.catalog.batches():
+            for gid in group_ids:
                 self._set_state(self.groups[gid], COMMITTED if committed else DELIVERED, step)
             if not committed:
-                self.batches[step] = unpack(groups)
-        for state, groups in self.db.execute("SELECT state, groups FROM retired ORDER BY rowid"):
-            for gid in unpack(groups):
+                self.batches[step] = group_ids
+        for state, group_ids in self.catalog.retired():
+            for gid in group_ids:
                 self._set_state(self.groups[gid], state)
-        self.committed_step = int(self.get_meta("committed_step", -1))
-
-    def _connect(self, full_sync: bool = False) -> sqlite3.Connection:
-        # WAL mode. Only the writer's connection syncs on commit (when fsync is
-        # on): trajectories are ACKed after that commit. The loop's own small
-        # writes (leases, batches, commits) survive a process crash at once and
-        # a power loss with the next group commit, which syncs the same WAL;
-        # losing one to a power cut means a batch is delivered again, never lost.
-        db = sqlite3.connect(self.dir / "buffer.sqlite3", isolation_level=None, check_same_thread=False,
-                             timeout=30)
-        db.execute("PRAGMA journal_mode=WAL")
-        db.execute(f"PRAGMA synchronous={'FULL' if full_sync else 'NORMAL'}")
-        return db
-
-    @contextmanager
-    def transaction(self) -> Iterator[None]:
-        self.db.execute("BEGIN")
-        try:
-            yield
-        except BaseException:
-            self.db.execute("ROLLBACK")
-            raise
-        self.db.execute("COMMIT")
+        self.committed_step = int(self.catalog.get_meta("committed_step", -1))
 
     # ---- state kept beside the buffer -------------------------------------
 
     def get_meta(self, key: str, default: Any = None) -> Any:
-        row = self.db.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
-        return unpack(row[0]) if row else default
+        return self.catalog.get_meta(key, default)
 
     def set_meta(self, key: str, value: Any) -> None:
-        self.db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", (key, pack(value)))
+        self.catalog.set_meta(key, value)
 
     # ---- writes -----------------------------------------------------------
 
@@ -223,8 +175,7 @@ class Store:
         """
         job = WriteJob()
         for items in batches:
-            if self._offset >= self.segment_bytes:
-                self.segment, self._offset = self.segment + 1, 0
+            self.segments.start_chunk()
             chunk = []
             job.stored_by.append(set())
             src_off = 0  # offset of each payload in the frame it arrived in
@@ -233,9 +184,9 @@ class Store:
                 tid = meta["id"]
                 if tid not in self.ids and tid not in self.pending_ids and tid not in job.ids:
                     view = payload if isinstance(payload, memoryview) else memoryview(payload)
-                    chunk.append(Traj(tid, meta["policy_version"], float(meta["reward"]), self.segment,
-                                      self._offset, size, 0, meta, view, src_off))
-                    self._offset += size
+                    segment, offset = self.segments.place(size)
+                    chunk.append(Traj(tid, meta["policy_version"], float(meta["reward"]), segment, offset, size, 0,
+                                      meta, view, src_off))
                     job.ids.add(tid)
                     job.stored_by[-1].add(tid)
                 src_off += size
@@ -250,10 +201,7 @@ class Store:
     def write(self, jobs: list[WriteJob]) -> None:
         """Append the jobs' payloads, sync them, then commit their metadata (writer thread)."""
         chunks = [chunk for job in jobs for chunk in job.chunks]
-        # Each chunk goes where `prepare` placed it (not wherever the file ends): bytes of a
-        # failed write (ENOSPC, EIO) are then unreferenced garbage, and the chunks planned after
-        # them still land at the offsets their metadata records.
-        runs: dict[int, list[tuple[int, list[memoryview]]]] = {}
+        runs: dict[int, list[tuple[int, list[memoryview]]]] = {}  # segment -> (offset, payloads back to back)
         for chunk in sorted(chunks, key=lambda c: (c[0].segment, c[0].offset)):
             segment_runs = runs.setdefault(chunk[0].segment, [])
             last = segment_runs[-1] if segment_runs else None
@@ -261,25 +209,11 @@ class Store:
                 last[1].extend(t.data for t in chunk)
             else:
                 segment_runs.append((chunk[0].offset, [t.data for t in chunk]))
-        for segment, segment_runs in runs.items():
-            fd = self._writer_fd(segment)
-            for offset, payloads in segment_runs:
-                _write_all(fd, payloads, offset)
-            if self.fsync:
-                os.fdatasync(fd)
-        rows = []
+        self.segments.write(runs)
         for chunk in chunks:
             for traj in chunk:
                 traj.crc = zlib.crc32(traj.data)
-            rows.append((chunk[0].segment, chunk[0].offset, pack([(t.meta, t.length, t.crc) for t in chunk])))
-        db = self._writer_db()
-        db.execute("BEGIN")
-        try:
-            db.executemany("INSERT INTO chunks(segment, offset, entries) VALUES (?, ?, ?)", rows)
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
-        db.execute("COMMIT")
+        self.catalog.add_chunks((c[0].segment, c[0].offset, [(t.meta, t.length, t.crc) for t in c]) for c in chunks)
 
     def finish(self, job: WriteJob) -> list[Group]:
         """The job is durable: index its trajectories; returns the groups it completed."""
@@ -312,22 +246,6 @@ class Store:
             self.abandon(job)
             raise
         return job.ids, self.finish(job)
-
-    def _writer_fd(self, segment: int) -> int:
-        if self._wfd is None or self._wfd[0] != segment:
-            path = self.dir / "segments" / f"{segment:08d}.seg"
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)  # may fail: the old descriptor stays valid
-            old, self._wfd = self._wfd, (segment, fd)
-            if old is not None:
-                os.close(old[1])
-        return self._wfd[1]
-
-    def _writer_db(self) -> sqlite3.Connection:
-        # The writer thread gets a connection of its own; WAL lets it commit
-        # while the loop's connection reads and writes leases and batches.
-        if self._wdb is None:
-            self._wdb = self._connect(full_sync=self.fsync)
-        return self._wdb
 
     def _attach(self, trajs: list[Traj]) -> list[Group]:
         touched: dict[str, Group] = {}
@@ -389,27 +307,21 @@ class Store:
     def _retire(self, groups: list[Group], state: int) -> None:
         if not groups:
             return
-        with self.transaction():
-            self.db.execute("INSERT INTO retired(state, groups) VALUES (?, ?)",
-                            (state, pack([g.group_id for g in groups])))
+        self.catalog.retire(state, [g.group_id for g in groups])
         for group in groups:
             self._set_state(group, state)
 
     def deliver(self, step: int, groups: list[Group], meta: dict[str, Any] | None = None) -> None:
         """Record `groups` as the batch of `step` (and `meta` beside it), so a restart re-delivers it."""
         ids = [g.group_id for g in groups]
-        with self.transaction():
-            for key, value in (meta or {}).items():
-                self.set_meta(key, value)
-            self.db.execute("INSERT OR REPLACE INTO batches(step, groups, committed) VALUES (?, ?, 0)",
-                            (step, pack(ids)))
+        self.catalog.deliver(step, ids, meta or {})
         for group in groups:
             self._set_state(group, DELIVERED, step)
         self.batches[step] = ids
 
     def was_delivered(self, step: int) -> bool:
         """Whether a batch was ever delivered for `step` (committed since or not)."""
-        return self.db.execute("SELECT 1 FROM batches WHERE step=?", (step,)).fetchone() is not None
+        return self.catalog.was_delivered(step)
 
     def delivered(self, step: int) -> list[Group] | None:
         """The uncommitted batch already delivered for `step`, if any."""
@@ -419,10 +331,8 @@ class Store:
     def commit(self, step: int) -> int:
         """Retire every delivered batch up to `step`; returns trajectories committed."""
         steps = [s for s in self.batches if s <= step]
-        with self.transaction():
-            self.db.executemany("UPDATE batches SET committed=1 WHERE step=?", [(s,) for s in steps])
-            self.committed_step = max(self.committed_step, step)
-            self.set_meta("committed_step", self.committed_step)
+        self.catalog.commit(steps, max(self.committed_step, step))
+        self.committed_step = max(self.committed_step, step)
         n = 0
         for s in steps:
             for gid in self.batches.pop(s):
@@ -458,42 +368,8 @@ class Store:
     def payload(self, traj: Traj) -> bytes | memoryview:
         if traj.data is not None:
             return traj.data
-        fd = self._readers.get(traj.segment)
-        if fd is None:
-            fd = os.open(self.dir / "segments" / f"{traj.segment:08d}.seg", os.O_RDONLY)
-            self._readers[traj.segment] = fd
-        data = os.pread(fd, traj.length, traj.offset)
-        if len(data) != traj.length or zlib.crc32(data) != traj.crc:
-            raise IOError(f"payload of trajectory {traj.id} in segment {traj.segment} is damaged (crc mismatch)")
-        return data
+        return self.segments.read(traj.segment, traj.offset, traj.length, traj.crc, f"trajectory {traj.id}")
 
     def close(self) -> None:
-        if self._wfd is not None:
-            os.close(self._wfd[1])
-            self._wfd = None
-        for fd in self._readers.values():
-            os.close(fd)
-        self._readers.clear()
-        if self._wdb is not None:
-            self._wdb.close()
-        self.db.close()
-
-
-def _write_all(fd: int, buffers: list[bytes | memoryview], offset: int) -> None:
-    """Write every buffer in order from `offset`, with as few system calls as the OS allows."""
-    limit = os.sysconf("SC_IOV_MAX")
-    pending = [v for v in (memoryview(b).cast("B") for b in buffers) if len(v)]  # empty payloads add nothing
-    i = 0
-    while i < len(pending):
-        written = os.pwritev(fd, pending[i:i + limit], offset)
-        if written <= 0:
-            raise OSError(f"pwritev wrote nothing at offset {offset} of a segment")
-        offset += written
-        while written:
-            n = len(pending[i])
-            if written >= n:
-                written -= n
-                i += 1
-            else:  # a short write: go on from the middle of this buffer
-                pending[i] = pending[i][written:]
-                written = 0
+        self.segments.close()
+        self.catalog.close()

@@ -7,7 +7,7 @@ its task to the queue, and the next LEASE gets it again (lowest seq first, so
 an old batch is finished before a new one starts). A task is done when a
 group answering any of its leases is stored.
 
-Leases live in the store's SQLite database, so a restarted broker knows which
+Leases live in the broker's catalogue (`catalog.py`), so a restarted broker knows which
 tasks were issued, which are done and which are still out.
 """
 
@@ -19,7 +19,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from rlbus.broker.store import Store
+from rlbus.broker.catalog import Catalog
 from rlbus.common.tasksets import Taskset
 
 
@@ -69,8 +69,8 @@ def seq_of(lease: str) -> int | None:
 
 
 class TaskQueue:
-    def __init__(self, store: Store, taskset: Taskset, batch_tasks: int, lease_s: float):
-        self.store = store
+    def __init__(self, catalog: Catalog, taskset: Taskset, batch_tasks: int, lease_s: float):
+        self.catalog = catalog
         self.taskset = taskset
         self.batch_tasks = batch_tasks
         self.lease_s = lease_s
@@ -80,8 +80,7 @@ class TaskQueue:
         self.done: set[int] = set()
         self.done_per_batch: Counter[int] = Counter()
         self.next_seq = 0
-        for seq, lid, holder, expires, attempt, done in store.db.execute(
-                "SELECT seq, lease_id, holder, expires, attempt, done FROM tasks ORDER BY seq"):
+        for seq, lid, holder, expires, attempt, done in self.catalog.tasks():
             self.next_seq = max(self.next_seq, seq + 1)
             self.attempts[seq] = attempt
             if done:
@@ -135,10 +134,7 @@ class TaskQueue:
             rows.append((seq, lease.lease_id, holder, lease.expires, attempt))
             out.append((lease, self.taskset.task(seq)))
         if rows:
-            with self.store.transaction():
-                self.store.db.executemany(
-                    "INSERT OR REPLACE INTO tasks(seq, lease_id, holder, expires, attempt, done) "
-                    "VALUES (?, ?, ?, ?, ?, 0)", rows)
+            self.catalog.lease(rows)
         return out
 
     def complete(self, group_id: str) -> None:
@@ -151,7 +147,7 @@ class TaskQueue:
         if seq in self.free:
             self.free.remove(seq)
             heapq.heapify(self.free)
-        self.store.db.execute("UPDATE tasks SET done=1, lease_id=NULL, holder=NULL WHERE seq=?", (seq,))
+        self.catalog.task_done(seq)
         self._mark_done(seq)
 
     def _mark_done(self, seq: int) -> None:
@@ -163,9 +159,7 @@ class TaskQueue:
             del self.leases[lease.lease_id]
             heapq.heappush(self.free, lease.seq)
         if leases:
-            with self.store.transaction():
-                self.store.db.executemany("UPDATE tasks SET lease_id=NULL, holder=NULL WHERE seq=?",
-                                          [(lease.seq,) for lease in leases])
+            self.catalog.release([lease.seq for lease in leases])
         return leases
 
     def release_holder(self, holder: str) -> list[Lease]:

@@ -152,8 +152,17 @@ def raw_dealer():
         s.close(0)
 
 
-def recv(sock: zmq.Socket) -> P.Message:
-    return P.decode(sock.recv_multipart())
+def recv(sock: zmq.Socket, timeout_s: float = 10.0) -> P.Message:
+    """The next reply on a raw socket. The broker's own HEARTBEAT and CREDIT messages, which it sends a peer
+    whenever it has been quiet toward it for a heartbeat interval (sooner than a reply on a busy machine),
+    are skipped."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if not sock.poll(max(0, int((deadline - time.monotonic()) * 1000))):
+            raise TimeoutError(f"no reply within {timeout_s} s")
+        msg = P.decode(sock.recv_multipart())
+        if msg.command not in (P.HEARTBEAT, P.CREDIT):
+            return msg
 
 
 @pytest.fixture(scope="session")

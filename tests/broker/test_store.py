@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from rlbus.broker import store as S
+from rlbus.broker import segments, store as S
 from tests.conftest import group
 
 
@@ -52,10 +52,10 @@ def test_a_failed_write_leaves_earlier_and_later_data_intact(tmp_path, monkeypat
         real(fd, [bytes(buffers[0])[:3]], offset)  # a partial append...
         raise OSError(errno.ENOSPC, "No space left on device")  # ...then the disk is full
 
-    monkeypatch.setattr(S.os, "pwritev", half_then_fail)
+    monkeypatch.setattr(segments.os, "pwritev", half_then_fail)
     with pytest.raises(OSError):
         put(store, "lost")
-    monkeypatch.setattr(S.os, "pwritev", real)
+    monkeypatch.setattr(segments.os, "pwritev", real)
     assert calls["n"] == 1
     put(store, "after")
     assert set(readable(store)) == {"before.0", "before.1", "after.0", "after.1"}
@@ -74,10 +74,10 @@ def test_a_failed_open_at_segment_rollover_keeps_the_writer_usable(tmp_path, mon
             raise OSError(errno.EMFILE, "Too many open files")
         return real(path, flags, *args)
 
-    monkeypatch.setattr(S.os, "open", refuse_new_segments)
+    monkeypatch.setattr(segments.os, "open", refuse_new_segments)
     with pytest.raises(OSError):
         put(store, "b")
-    monkeypatch.setattr(S.os, "open", real)
+    monkeypatch.setattr(segments.os, "open", real)
     put(store, "c")
     put(store, "d")
     store.close()

@@ -1,0 +1,141 @@
+"""The broker's SQLite catalogue: the only module that speaks SQL.
+
+It records where each group commit's trajectories lie in the segment log
+(`chunks`), the delivered batches, the retired groups, the task leases and
+the broker's own state (`meta`). WAL mode: only the writer thread's
+connection syncs on commit (when fsync is on), and trajectories are ACKed
+after that commit. The loop's own small writes (leases, batches, commits)
+survive a process crash at once and a power loss with the next group commit,
+which syncs the same WAL; losing one to a power cut means a batch is
+delivered again, never lost.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+from rlbus.common.protocol import pack, unpack
+
+# One `chunks` row per group commit of one PUT message: the metadata of its
+# trajectories, packed together, whose payloads lie back to back in the
+# segment from `offset`. Writing per message rather than per trajectory is
+# what lets SQLite keep up with ZeroMQ.
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value BLOB);
+CREATE TABLE IF NOT EXISTS chunks (
+    rowid INTEGER PRIMARY KEY, segment INTEGER NOT NULL, offset INTEGER NOT NULL, entries BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS batches (step INTEGER PRIMARY KEY, groups BLOB NOT NULL, committed INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS retired (rowid INTEGER PRIMARY KEY, state INTEGER NOT NULL, groups BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS tasks (
+    seq INTEGER PRIMARY KEY, lease_id TEXT, holder TEXT, expires REAL, attempt INTEGER NOT NULL,
+    done INTEGER NOT NULL DEFAULT 0);
+"""
+
+
+class Catalog:
+    def __init__(self, path: str | Path, fsync: bool):
+        self.path = Path(path)
+        self.fsync = fsync
+        self.db = self._connect()
+        self.db.executescript(_SCHEMA)
+        self._wdb: sqlite3.Connection | None = None
+
+    def _connect(self, full_sync: bool = False) -> sqlite3.Connection:
+        db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=30)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute(f"PRAGMA synchronous={'FULL' if full_sync else 'NORMAL'}")
+        return db
+
+    @contextmanager
+    def transaction(self, db: sqlite3.Connection | None = None) -> Iterator[None]:
+        db = db or self.db
+        db.execute("BEGIN")
+        try:
+            yield
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
+
+    # ---- the broker's own state -------------------------------------------
+
+    def get_meta(self, key: str, default: Any = None) -> Any:
+        row = self.db.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
+        return unpack(row[0]) if row else default
+
+    def set_meta(self, key: str, value: Any) -> None:
+        self.db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", (key, pack(value)))
+
+    # ---- trajectories -----------------------------------------------------
+
+    def chunks(self) -> Iterator[tuple[int, int, list]]:
+        """(segment, offset, [(meta, length, crc), ...]) for every stored chunk, in write order."""
+        for segment, offset, entries in self.db.execute("SELECT segment, offset, entries FROM chunks ORDER BY rowid"):
+            yield segment, offset, unpack(entries)
+
+    def add_chunks(self, rows: Iterable[tuple[int, int, list]]) -> None:
+        """Record chunks (writer thread, on its own connection: WAL lets it commit beside the loop)."""
+        if self._wdb is None:
+            self._wdb = self._connect(full_sync=self.fsync)
+        with self.transaction(self._wdb):
+            self._wdb.executemany("INSERT INTO chunks(segment, offset, entries) VALUES (?, ?, ?)",
+                                  [(s, o, pack(entries)) for s, o, entries in rows])
+
+    # ---- batches and retired groups ---------------------------------------
+
+    def batches(self) -> Iterator[tuple[int, list[str], bool]]:
+        """(step, group ids, committed) for every delivered batch, by step."""
+        for step, groups, committed in self.db.execute("SELECT step, groups, committed FROM batches ORDER BY step"):
+            yield step, unpack(groups), bool(committed)
+
+    def retired(self) -> Iterator[tuple[int, list[str]]]:
+        for state, groups in self.db.execute("SELECT state, groups FROM retired ORDER BY rowid"):
+            yield state, unpack(groups)
+
+    def retire(self, state: int, group_ids: list[str]) -> None:
+        with self.transaction():
+            self.db.execute("INSERT INTO retired(state, groups) VALUES (?, ?)", (state, pack(group_ids)))
+
+    def deliver(self, step: int, group_ids: list[str], meta: dict[str, Any]) -> None:
+        with self.transaction():
+            for key, value in meta.items():
+                self.set_meta(key, value)
+            self.db.execute("INSERT OR REPLACE INTO batches(step, groups, committed) VALUES (?, ?, 0)",
+                            (step, pack(group_ids)))
+
+    def was_delivered(self, step: int) -> bool:
+        return self.db.execute("SELECT 1 FROM batches WHERE step=?", (step,)).fetchone() is not None
+
+    def commit(self, steps: list[int], committed_step: int) -> None:
+        with self.transaction():
+            self.db.executemany("UPDATE batches SET committed=1 WHERE step=?", [(s,) for s in steps])
+            self.set_meta("committed_step", committed_step)
+
+    # ---- task leases ------------------------------------------------------
+
+    def tasks(self) -> Iterator[tuple[int, str | None, str | None, float | None, int, bool]]:
+        """(seq, lease id, holder, expires, attempt, done) for every task issued, by seq."""
+        for seq, lid, holder, expires, attempt, done in self.db.execute(
+                "SELECT seq, lease_id, holder, expires, attempt, done FROM tasks ORDER BY seq"):
+            yield seq, lid, holder, expires, attempt, bool(done)
+
+    def lease(self, rows: list[tuple[int, str, str, float, int]]) -> None:
+        """Record leases: (seq, lease id, holder, expires, attempt)."""
+        with self.transaction():
+            self.db.executemany("INSERT OR REPLACE INTO tasks(seq, lease_id, holder, expires, attempt, done) "
+                                "VALUES (?, ?, ?, ?, ?, 0)", rows)
+
+    def task_done(self, seq: int) -> None:
+        self.db.execute("UPDATE tasks SET done=1, lease_id=NULL, holder=NULL WHERE seq=?", (seq,))
+
+    def release(self, seqs: list[int]) -> None:
+        with self.transaction():
+            self.db.executemany("UPDATE tasks SET lease_id=NULL, holder=NULL WHERE seq=?", [(s,) for s in seqs])
+
+    def close(self) -> None:
+        if self._wdb is not None:
+            self._wdb.close()
+        self.db.close()
