@@ -26,6 +26,7 @@ log pi.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -150,3 +151,15 @@ def policy_loss(logp: torch.Tensor, logp_prox: torch.Tensor, logp_behaviour: tor
                    "is_weight_max": float(wm.max()), "is_weight_min": float(wm.min()),
                    "is_limited_fraction": float(limited.sum() / response.sum().clamp(min=1)), "kl": kl_mean}
     return loss, metrics
+
+
+def lr_factor(t, step: int) -> float:
+    """The multiple of `trainer.lr` used at optimizer step `step`: warm-up, then the schedule."""
+    warm = t.warmup_steps
+    if step < warm:
+        return (step + 1) / warm
+    if t.lr_schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warm) / max(1, t.total_steps - warm))
+    shape = 1 - progress if t.lr_schedule == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
+    return t.min_lr_ratio + (1 - t.min_lr_ratio) * shape

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextvars
 import math
-import random
 import signal
 import time
 from collections import Counter
@@ -31,7 +30,6 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 
-import numpy as np
 import structlog
 import torch
 
@@ -40,31 +38,13 @@ from rlbus.common.client import BrokerClient, BrokerError, BrokerUnreachable
 from rlbus.common.config import RunConfig
 from rlbus.common.logging import bind, significant
 from rlbus.trainer import checkpoint
-from rlbus.trainer.algorithms import LossConfig, policy_loss
+from rlbus.trainer.algorithms import LossConfig, lr_factor, policy_loss
 from rlbus.trainer.batch import Batch, build_batch, decode_batch
-from rlbus.trainer.model import DTYPES, load_model, token_logprobs
+from rlbus.trainer.model import DTYPES, load_model, seed_everything, token_logprobs
 from rlbus.trainer.packing import packed_token_logprobs, pack, packs
 from rlbus.trainer.publish import CheckpointPublisher, Publisher
 
 log = structlog.get_logger()
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def lr_factor(t, step: int) -> float:
-    """The multiple of `trainer.lr` used at optimizer step `step`: warm-up, then the schedule."""
-    warm = t.warmup_steps
-    if step < warm:
-        return (step + 1) / warm
-    if t.lr_schedule == "constant":
-        return 1.0
-    progress = min(1.0, (step - warm) / max(1, t.total_steps - warm))
-    shape = 1 - progress if t.lr_schedule == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
-    return t.min_lr_ratio + (1 - t.min_lr_ratio) * shape
 
 
 class Trainer:

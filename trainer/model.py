@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import random
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -60,3 +63,9 @@ def logprobs_at(model, hidden: torch.Tensor, targets: torch.Tensor, where: torch
             entropy = torch.zeros_like(logp)
             entropy[where] = -(logp_all.exp() * logp_all).sum(-1)
     return logp, entropy
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)

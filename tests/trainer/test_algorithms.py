@@ -101,7 +101,7 @@ def test_kl_term_is_added_with_its_coefficient():
 
 def test_lr_schedules_warm_up_then_keep_or_decay_to_the_floor():
     from rlbus.common.config import load_config
-    from rlbus.trainer.main import lr_factor
+    from rlbus.trainer.algorithms import lr_factor
 
     def factors(*sets, steps=12):
         t = load_config(None, ["trainer.total_steps=10", *sets], environ={}).trainer

@@ -1,0 +1,335 @@
+"""The sections of a run's configuration, one per process or concern (`config.py` assembles and loads them).
+
+Every field has a docstring (shown by `rlbus config --help`-style tools and in
+errors) and a default that works on one machine.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+class ModelConfig(Section):
+    path: str = "smollm2-135m"
+    """Model to train and sample: a bundled name (`smollm2-135m`), a local HF model directory, or a hub id."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter dtype for training (float32 on CPU; bfloat16 on GPUs)."""
+    cache_dir: str = ""
+    """Where bundled models are prepared; empty means ~/.cache/rlbus/models."""
+
+
+class DataConfig(Section):
+    taskset: Literal["arith", "countdown", "guess", "file"] = "arith"
+    """Where tasks come from: generated `arith` (a + b), `countdown`, `guess` (multi-turn), or a `file`."""
+    seed: int = 0
+    """Seed of generated training tasks."""
+    max_operand: int = Field(20, ge=1)
+    """Generated tasksets: operands (arith, countdown) or the secret (guess) go up to this."""
+    max_turns: int = Field(5, ge=1)
+    """guess: turns the model gets."""
+    path: str = ""
+    """file: a .jsonl or .parquet file, or a saved HF `datasets` directory."""
+    eval_path: str = ""
+    """file: the held-out set (same format); empty means no held-out set."""
+    prompt_field: str = "prompt"
+    """file: the field holding the prompt."""
+    answer_field: str = "answer"
+    """file: the field holding the reference answer."""
+    epochs: int = Field(1, ge=1)
+    """file: passes over the rows."""
+    batch_tasks: int = Field(4, ge=1)
+    """Tasks (prompts) per explorer batch; the trainer trains on this many groups per step."""
+    repeat: int = Field(8, ge=1)
+    """Samples generated per task (the group size)."""
+    max_tasks: int = Field(0, ge=0)
+    """Stop issuing tasks after this many (0: no limit; generated tasksets are endless)."""
+    eval_seed: int = 1234
+    """Seed of the held-out evaluation set."""
+    eval_size: int = Field(100, ge=0)
+    """Problems in the held-out evaluation set."""
+
+
+    @model_validator(mode="after")
+    def _file_needs_path(self) -> "DataConfig":
+        if self.taskset == "file" and not self.path:
+            raise ValueError("data.taskset=file needs data.path (a .jsonl or .parquet file, or a datasets directory)")
+        return self
+
+
+class AlgorithmConfig(Section):
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = "grpo"
+    """Advantage estimator."""
+    skip_zero_spread: bool | None = None
+    """Drop groups whose rewards are all equal before compute; default: on for group-relative advantages."""
+    fill_batch: bool = False
+    """async: wait until the batch holds `batch_tasks` informative groups (dynamic sampling); lockstep trains each batch's informative groups."""
+    informative_wait_s: float = Field(60.0, gt=0)
+    """async: how long a step waits for informative groups before it takes what there is, all-equal ones
+    included (they add nothing to the update, but the step counts: a run whose reward has saturated still ends)."""
+    clip_low: float = Field(0.2, ge=0)
+    """PPO clip: ratio floor 1 - clip_low."""
+    clip_high: float = Field(0.2, ge=0)
+    """PPO clip: ratio ceiling 1 + clip_high."""
+    dual_clip: float | None = Field(None, gt=1)
+    """Dual clip c: bounds the loss of negative-advantage tokens by -c * A (off when unset)."""
+    is_mode: Literal["truncate", "mask"] = "truncate"
+    """Off-policy importance weights: truncate at is_cap, or mask tokens outside [is_low, is_high]."""
+    is_cap: float = Field(2.0, gt=0)
+    """truncate: largest importance weight."""
+    is_low: float = Field(0.5, ge=0)
+    """mask: smallest importance weight kept."""
+    is_high: float = Field(2.0, gt=0)
+    """mask: largest importance weight kept."""
+    kl_coef: float = Field(0.0, ge=0)
+    """Weight of the KL term to the frozen reference model (0: no reference model is loaded)."""
+    kl_kind: Literal["k1", "k3"] = "k3"
+    """KL estimator."""
+    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    """How token losses become the batch loss."""
+    loss_denominator: Literal["trained", "batch"] = "trained"
+    """What the batch loss is averaged over: the samples trained on, or the whole batch, its all-equal-reward
+    groups (dropped by the broker or the trainer) counted as samples of advantage 0, as in TRL's GRPOTrainer,
+    which keeps them. `batch` scales the loss by trained samples / batch samples, so a step in which few
+    groups are informative moves the policy less: as the reward saturates, the updates shrink with it."""
+
+    def drops_zero_spread(self) -> bool:
+        return self.advantage in ("grpo", "dr_grpo", "rloo") if self.skip_zero_spread is None else self.skip_zero_spread
+
+
+class SyncConfig(Section):
+    sync_interval: int = Field(1, ge=1)
+    """I: the trainer publishes weights every I optimizer steps."""
+    sync_offset: int = Field(0, ge=0)
+    """O: explorer batches run ahead of the first sync."""
+    sync_style: Literal["lockstep", "async"] = "lockstep"
+    """lockstep: batch e waits for version >= floor((e - O)/I)*I; async: never wait, use the newest weights."""
+    max_staleness: int | None = Field(None, ge=0)
+    """S: a trajectory from version v is trained at step t only if t - v <= S. Default: O + I - 1 (lockstep), I + O + 1 (async)."""
+    sync_method: Literal["checkpoint", "nccl"] = "checkpoint"
+    """How explorers receive new weights: checkpoint (files), or nccl (broadcast to the epoch's members, then a
+    checkpoint for everyone else)."""
+    sync_timeout_s: float = Field(60.0, gt=0)
+    """Upper bound on every wait of a weight sync (a broadcast that runs past it is aborted)."""
+    broadcast_backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """nccl method: the communicator; auto means cupy NCCL where CUDA is present, else torch gloo (CPU)."""
+    rendezvous_host: str = "127.0.0.1"
+    """nccl method: the trainer's address that explorers reach for the broadcast rendezvous."""
+    rendezvous_port: int = Field(0, ge=0, le=65535)
+    """nccl method: the rendezvous store's port on the trainer (0: a free one, announced on the bus)."""
+    bucket_mb: float = Field(64.0, gt=0)
+    """nccl method: weights travel in flat buckets of at most this size."""
+
+    @model_validator(mode="after")
+    def _staleness(self) -> "SyncConfig":
+        floor = self.sync_offset + self.sync_interval - 1
+        if self.max_staleness is None:
+            default = floor if self.sync_style == "lockstep" else floor + 2
+            object.__setattr__(self, "max_staleness", default)
+        elif self.sync_style == "lockstep" and self.max_staleness < floor:
+            raise ValueError(
+                f"max_staleness={self.max_staleness} is too small for lockstep with sync_interval="
+                f"{self.sync_interval} and sync_offset={self.sync_offset}: the oldest data is "
+                f"sync_offset + sync_interval - 1 = {floor} versions behind; set max_staleness >= {floor}"
+            )
+        return self
+
+    def required_version(self, batch_index: int) -> int:
+        """Lockstep: the oldest policy version allowed to generate explorer batch `batch_index`."""
+        return max(0, (batch_index - self.sync_offset) // self.sync_interval * self.sync_interval)
+
+
+class BufferConfig(Section):
+    dir: str = ""
+    """Data directory of the durable buffer; empty means `<run_dir>/buffer`."""
+    capacity: int = Field(20000, ge=1)
+    """Trajectories held and not yet committed; a full buffer slows explorers, it never drops data."""
+    fsync: Annotated[Literal["group", "off"], BeforeValidator(lambda v: "off" if v is False else v)] = "group"
+    """group: fdatasync payloads and commit metadata before every ACK (survives power loss); off: survive process crashes only."""
+    cache_mb: int = Field(512, ge=0)
+    """Payloads kept in memory until trained on, up to this many MiB; beyond it they are read back from disk."""
+    segment_bytes: int = Field(256 << 20, ge=1 << 20)
+    """Roll over to a new payload segment file after this many bytes."""
+
+
+class BrokerConfig(Section):
+    host: str = "127.0.0.1"
+    """Address the broker binds (0.0.0.0 to serve other hosts)."""
+    port: int = Field(5555, ge=0, le=65535)
+    """Request (ROUTER) port; 0 picks a free port."""
+    pub_port: int = Field(5556, ge=0, le=65535)
+    """Weight-version bus (PUB) port; 0 picks a free port."""
+    heartbeat_interval_s: float = Field(1.0, gt=0)
+    """Seconds between heartbeats."""
+    liveness: int = Field(5, ge=2)
+    """Heartbeats missed before a peer is dropped (and its leases re-issued)."""
+    lease_timeout_s: float = Field(600.0, gt=0)
+    """A task lease not completed in this time is issued to someone else."""
+    republish_interval_s: float = Field(2.0, gt=0)
+    """The weight state is put on the bus again this often, for late subscribers."""
+    max_message_bytes: int = Field(64 << 20, ge=1 << 16)
+    """Largest message accepted; larger ones get ERROR too_large."""
+    max_payload_bytes: int = Field(16 << 20, ge=1 << 10)
+    """Largest single trajectory payload."""
+    curve_secret_key: str = ""
+    """Path of the broker's CurveZMQ secret key file; set it to require encryption and client keys."""
+    curve_authorized_dir: str = ""
+    """Directory of client public key files the broker accepts (with curve_secret_key)."""
+    address: str = "tcp://127.0.0.1:5555"
+    """Where clients reach the broker's request socket."""
+    pub_address: str = ""
+    """Where clients reach the bus; empty means the request address with pub_port."""
+    curve_server_key: str = ""
+    """Client side: path of the broker's public key file."""
+    curve_client_key: str = ""
+    """Client side: path of this client's secret key file (its public key must be listed at the broker)."""
+
+
+class ExplorerConfig(Section):
+    name: str = ""
+    """Peer name; empty means explorer-<host>-<pid>."""
+    tasks_per_lease: int = Field(4, ge=1)
+    """Tasks asked for per LEASE."""
+    temperature: float = Field(1.0, ge=0)
+    """Sampling temperature."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling."""
+    max_tokens: int = Field(24, ge=1)
+    """New tokens per response."""
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    """vLLM compute dtype."""
+    eval_every: int = Field(0, ge=0)
+    """Greedy accuracy on the held-out set every this many policy versions, and at versions 0 and the last (0: never)."""
+    receive: Literal["auto", "checkpoint"] = "auto"
+    """auto: join the broadcast group when the run uses sync_method nccl; checkpoint: always load files."""
+    memory_fraction: float = Field(0.3, gt=0, le=1)
+    """vLLM gpu_memory_utilization; on CPU the share of host memory it reserves (0.3 works, the default 0.9 does not)."""
+    engine_core: Literal["auto", "inline", "process"] = "auto"
+    """Where vLLM's engine core runs: inside the explorer process, or in a process of its own. auto: inline on
+    vLLM's CPU build (the tiny model's engine starts in ~5 s instead of ~24 s, and generates on all the
+    explorer's cores), a process of its own on GPUs."""
+
+
+class TrainerConfig(Section):
+    name: str = "trainer"
+    """Peer name."""
+    lr: float = Field(1e-5, gt=0)
+    """Learning rate (AdamW)."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear learning-rate warm-up."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """After warm-up: keep lr, or decay it to lr x min_lr_ratio at total_steps (linearly or along a cosine)."""
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    """Where a decaying schedule ends, as a fraction of lr."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Clip the gradient norm to this."""
+    total_steps: int = Field(100, ge=0)
+    """Trainer steps in the run."""
+    micro_batch: int = Field(8, ge=1)
+    """Sequences per forward/backward pass (gradient accumulation over the batch)."""
+    shared_prompt: bool = True
+    """Train each micro-batch as one packed sequence in which a prompt shared by several samples (a group's,
+    and the prefix common to all groups) is computed once: same loss and gradients as one row per sample, with
+    fewer tokens (trainer/packing.py). Models whose attention takes no custom mask fall back to rows."""
+    checkpoint_every: int = Field(10, ge=0)
+    """Save a training checkpoint every K steps (0: never; then every step is committed at once)."""
+    keep_checkpoints: int = Field(2, ge=1)
+    """Training checkpoints kept on disk."""
+    seed: int = 0
+    """Training seed."""
+    device: str = "cpu"
+    """Torch device (cpu, cuda, cuda:1, ...)."""
+    threads: int = Field(0, ge=0)
+    """CPU threads for torch (0: torch's default)."""
+    gradient_checkpointing: bool = False
+    """Trade compute for memory."""
+    autocast: Literal["off", "bfloat16", "float16"] = "off"
+    """Mixed precision for forward and backward, master weights in model.dtype (bfloat16: ~1.7x faster on
+    CPUs with AVX512-BF16 or AMX)."""
+    fetch_wait_s: float = Field(5.0, gt=0)
+    """How long one FETCH waits at the broker for enough groups before asking again."""
+    broker_timeout_s: float = Field(30.0, gt=0)
+    """How long the trainer waits for one reply from the broker before logging `broker_unreachable_waiting`
+    and asking again. The trainer never gives up: a broker restart of any length only pauses training."""
+    wait_for_explorers: int = Field(0, ge=0)
+    """A fresh run's first step waits until this many explorers have joined the broker (0: start at once), so
+    that explorers whose engines start more slowly take part from the start. `rlbus up` sets it to
+    `launch.explorers` (see `launch.start_together`)."""
+    wait_for_explorers_s: float = Field(600.0, gt=0)
+    """How long that wait lasts at most; then training starts with the explorers there are (logged)."""
+
+
+class RewardTerm(Section):
+    fn: str
+    """A registered reward or a dotted path."""
+    weight: float = 1.0
+    """Its weight in the sum."""
+    params: dict[str, Any] = {}
+    """Keyword arguments for it (e.g. format: {tags: [think, answer]})."""
+
+
+class RewardConfig(Section):
+    fn: str = "auto"
+    """Reward by registered name or dotted path (`mypkg.rewards:score`); auto: the one named by each task's kind."""
+    terms: list[RewardTerm] = []
+    """A weighted sum of rewards instead of `fn` (e.g. math 1.0 + format 0.1)."""
+    failure_score: float = 0.0
+    """Score given when a reward raises or returns NaN or infinity (logged with the reason)."""
+    service: str = ""
+    """Score through reward workers offering this service, via the broker, instead of in-process."""
+    services: list[str] = ["math", "code"]
+    """`rlbus reward`: services this worker offers (registered rewards, dotted paths, or rm)."""
+    rm_path: str = ""
+    """`rlbus reward`: the sequence-classification model the rm service scores with."""
+    eval_timeout_s: float = Field(60.0, gt=0)
+    """How long one evaluation may take at a reward worker before it is sent to another."""
+    eval_attempts: int = Field(3, ge=1)
+    """Workers tried per evaluation before it fails."""
+    sandbox_cpu_s: int = Field(2, ge=1)
+    """Code sandbox: CPU seconds per test."""
+    sandbox_wall_s: float = Field(5.0, gt=0)
+    """Code sandbox: wall-clock seconds per test."""
+    sandbox_memory_mb: int = Field(512, ge=32)
+    """Code sandbox: address space."""
+    sandbox_file_mb: int = Field(4, ge=1)
+    """Code sandbox: largest file, stdout and stderr included."""
+    sandbox_processes: int = Field(16, ge=1)
+    """Code sandbox: processes (counted for the sandbox user)."""
+    sandbox_python: str = ""
+    """Code sandbox: interpreter (default: this one, or the system python3 if the sandbox user cannot run it)."""
+
+
+class LoggingConfig(Section):
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    """Lowest level written."""
+    format: Literal["auto", "json", "console"] = "auto"
+    """auto: readable on a terminal, JSON lines otherwise."""
+    file: str = ""
+    """Also append JSON lines to this file (empty: no file sink)."""
+
+
+class LaunchConfig(Section):
+    explorers: int = Field(1, ge=0)
+    """Explorer processes `rlbus up` starts."""
+    broker_cpus: str = ""
+    """Cores the broker is pinned to, e.g. "0" or "0-1" (empty: not pinned)."""
+    trainer_cpus: str = ""
+    """Cores the trainer is pinned to."""
+    explorer_cpus: list[str] = []
+    """Cores per explorer, in order (explorer i gets entry i; missing entries: not pinned)."""
+    on_crash: Literal["stop", "restart"] = "stop"
+    """When a component exits with an error: stop the run, or start it again."""
+    max_restarts: int = Field(3, ge=0)
+    """Restarts per component before the run is stopped anyway."""
+    status_interval_s: float = Field(5.0, gt=0)
+    """How often `rlbus up` prints a progress line."""
+    start_together: bool = True
+    """The trainer's first step waits for all `explorers` to join (trainer.wait_for_explorers), so that a slower
+    engine start does not leave an explorer out of a short run."""
