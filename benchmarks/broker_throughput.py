@@ -6,10 +6,17 @@ broker process (SQLite WAL metadata, append-only payload segments,
 fdatasync per group commit) to a consumer that FETCHes and COMMITs. Then the
 same producers push the same messages over a bare PUSH/PULL pair: the ceiling.
 
+A second case stores large trajectories (256 KB of opaque payload each,
+`--large-kb`) and compares the broker's durable MB/s with this disk's own
+sequential write rate with one fdatasync per write of the same size as a PUT,
+measured in the same run in the same directory.
+
     python benchmarks/broker_throughput.py [--quick] [--producers P]
 
 The last line printed is one JSON object: broker_traj_per_s,
-raw_zmq_traj_per_s, ratio, p50_ack_ms, p99_ack_ms (and the settings).
+raw_zmq_traj_per_s, ratio, ratio_to_per_message, p50_ack_ms, p99_ack_ms,
+large_mb_per_s, disk_fdatasync_mb_per_s, large_ratio_to_disk (and the
+settings).
 """
 
 from __future__ import annotations
@@ -39,8 +46,11 @@ def make_batch(producer: int, first_group: int, groups: int, payload: bytes) -> 
     return items
 
 
-def sample_payload() -> bytes:
+def sample_payload(large_kb: int = 0) -> bytes:
     import numpy as np
+
+    if large_kb:  # opaque bytes: the broker never looks inside a payload
+        return np.random.default_rng(0).bytes(large_kb << 10)
 
     from rlbus.common.trajectory import encode_payload
 
@@ -51,13 +61,13 @@ def sample_payload() -> bytes:
                           {"finish_reason": "length", "reward": 1.0})
 
 
-def producer(mode: str, address: str, index: int, n_traj: int, per_put: int, window: int,
+def producer(mode: str, address: str, index: int, n_traj: int, per_put: int, window: int, large_kb: int,
              ready, go, results) -> None:
     import zmq
 
     from rlbus.common import protocol as P
 
-    payload = sample_payload()
+    payload = sample_payload(large_kb)
     groups_per_put = per_put // GROUP
     puts = n_traj // per_put
     batches = [make_batch(index, k * groups_per_put, groups_per_put, payload) for k in range(puts)]
@@ -105,7 +115,7 @@ def run_producers(mode: str, address: str, args, consume) -> tuple[float, list[f
     ctx = mp.get_context("spawn")
     ready, results, go = ctx.Queue(), ctx.Queue(), ctx.Event()
     procs = [ctx.Process(target=producer, args=(mode, address, i, args.per_producer, args.per_put, args.window,
-                                                ready, go, results)) for i in range(args.producers)]
+                                                args.large_kb, ready, go, results)) for i in range(args.producers)]
     for p in procs:
         p.start()
     for _ in procs:
@@ -169,6 +179,45 @@ def bench_broker(args, data_dir: Path) -> tuple[float, list[float]]:
         return args.per_producer * args.producers / elapsed, latencies
 
 
+def disk_fdatasync_mb_per_s(directory: Path, write_bytes: int, total_bytes: int) -> float:
+    """This disk's sequential write rate with one fdatasync per write of `write_bytes`, as a group commit does."""
+    import os
+
+    block = sample_payload(max(1, write_bytes >> 10))
+    path = directory / "disk-baseline.bin"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        start, offset = time.perf_counter(), 0
+        while offset < total_bytes:
+            os.pwrite(fd, block, offset)
+            os.fdatasync(fd)
+            offset += len(block)
+        elapsed = time.perf_counter() - start
+    finally:
+        os.close(fd)
+        path.unlink()
+    return offset / elapsed / 1e6
+
+
+def bench_large(args, data_dir: Path) -> dict:
+    """Large trajectories through the broker, beside the disk's own fdatasync'd write rate."""
+    import copy
+
+    big = copy.copy(args)
+    big.large_kb, big.per_put, big.window = args.large_kb_case, 8, 4
+    big.per_producer = (16 if args.smoke else 800 if args.quick else 4000) // big.per_put * big.per_put
+    put_bytes = big.per_put * (big.large_kb << 10)
+    total = big.per_producer * big.producers * (big.large_kb << 10)
+    disk = disk_fdatasync_mb_per_s(data_dir, put_bytes, total)
+    print(f"disk, sequential writes of {put_bytes >> 10} KB with fdatasync each: {disk:,.1f} MB/s", flush=True)
+    rate, _ = bench_broker(big, data_dir / "large")
+    mb = rate * (big.large_kb << 10) / 1e6
+    print(f"durable broker, {big.large_kb} KB trajectories: {rate:,.1f} traj/s = {mb:,.1f} MB/s "
+          f"({mb / disk:.2f} of the disk)", flush=True)
+    return {"large_kb": big.large_kb, "large_traj_per_s": round(rate, 1), "large_mb_per_s": round(mb, 1),
+            "disk_fdatasync_mb_per_s": round(disk, 1), "large_ratio_to_disk": round(mb / disk, 3)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a short run (under 40 s)")
@@ -178,7 +227,10 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=8, help="PUTs in flight per producer")
     ap.add_argument("--fsync", choices=["group", "off"], default="group")
     ap.add_argument("--profile", default="", help="write a cProfile of the broker process to this file")
+    ap.add_argument("--large-kb", dest="large_kb_case", type=int, default=256,
+                    help="payload of the large-trajectory case, in KB (0: skip that case)")
     args = ap.parse_args()
+    args.large_kb = 0
     args.per_producer = (4 * args.per_put if args.smoke else 20_000 if args.quick else 100_000) \
         // args.per_put * args.per_put
     print(f"payload bytes per trajectory: {len(sample_payload())}", flush=True)
@@ -187,7 +239,8 @@ def main() -> None:
     raw1 = bench_raw(args, "raw1")
     print(f"raw zmq push/pull, one trajectory per message: {raw1:,.0f} traj/s", flush=True)
     with tempfile.TemporaryDirectory(prefix="rlbus-bench-") as tmp:
-        rate, lat = bench_broker(args, Path(tmp))
+        rate, lat = bench_broker(args, Path(tmp) / "small")
+        large = bench_large(args, Path(tmp)) if args.large_kb_case else {}
     lat.sort()
     p50 = lat[len(lat) // 2] * 1000 if lat else float("nan")
     p99 = lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1000 if lat else float("nan")
@@ -195,9 +248,10 @@ def main() -> None:
           flush=True)
     print(json.dumps({"broker_traj_per_s": round(rate), "raw_zmq_traj_per_s": round(raw),
                       "ratio": round(rate / raw, 3), "raw_zmq_per_message_traj_per_s": round(raw1),
-                      "ratio_to_per_message": round(rate / raw1, 3), "p50_ack_ms": round(p50, 2), "p99_ack_ms": round(p99, 2),
+                      "ratio_to_per_message": round(rate / raw1, 3), "p50_ack_ms": round(p50, 2),
+                      "p99_ack_ms": round(p99, 2),
                       "producers": args.producers, "per_put": args.per_put, "fsync": args.fsync,
-                      "trajectories": args.per_producer * args.producers}))
+                      "trajectories": args.per_producer * args.producers, **large}))
 
 
 if __name__ == "__main__":
