@@ -73,3 +73,10 @@ def test_an_import_against_the_layers_is_caught(tmp_path):
     assert done.returncode == 1
     assert "rlbus.common.upward -> rlbus.trainer.main" in done.stdout
     assert "rlbus.common.upward -> torch" in done.stdout
+
+
+def test_no_module_over_400_lines():
+    mapping = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    sizes = {str(p.relative_to(REPO)): len(p.read_text().splitlines())
+             for folder in mapping.values() for p in (REPO / folder).glob("*.py")}
+    assert sizes and not {p: n for p, n in sizes.items() if n > 400}
