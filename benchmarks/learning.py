@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/learning.py [--seeds N] [--config configs/arith.yaml] [--set KEY=VALUE ...]
 
 Each seed is a real `rlbus up` of the config with `data.seed` and
-`trainer.seed` set to the seed (0, 1, ...). From the run's logs:
+`rollout.seed` set to the seed (0, 1, ...). From the run's logs:
 
 - train_s_to_0_9: training time until the first held-out evaluation at or
   above 0.90, counted as TRL's GRPOTrainer time is counted on this task: the
@@ -86,7 +86,7 @@ def analyse(run_dir: Path, started_ts: float) -> dict:
 
 def run_seed(config: str, seed: int, sets: list[str], root: Path) -> dict:
     run_dir = root / f"seed-{seed}"
-    overrides = [f"run.dir={run_dir}", f"data.seed={seed}", f"trainer.seed={seed}", f"broker.port={free_port()}",
+    overrides = [f"run.dir={run_dir}", f"data.seed={seed}", f"rollout.seed={seed}", f"broker.port={free_port()}",
                  f"broker.pub_port={free_port()}", "logging.format=json", *sets]
     cmd = [sys.executable, "-m", "rlbus.cli", "up", config] + [x for s in overrides for x in ("--set", s)]
     started = time.time()
@@ -119,8 +119,8 @@ def main() -> None:
         sets.append(f"model.path={args.model}")
     if args.smoke:
         args.seeds = 1
-        sets += ["trainer.total_steps=2", "data.eval_size=4", "explorer.eval_every=1", "explorer.max_tokens=8",
-                 "explorer.dtype=float32", "explorer.memory_fraction=0.1", "algorithm.skip_zero_spread=false",
+        sets += ["trainer.total_steps=2", "data.eval_size=4", "explorer.eval_every=1", "rollout.max_tokens=8",
+                 "rollout.dtype=float32", "explorer.memory_fraction=0.1", "algorithm.skip_zero_spread=false",
                  "trainer.checkpoint_every=0"]
     with tempfile.TemporaryDirectory(prefix="rlbus-learning-") as tmp:
         root = Path(args.out or tmp)

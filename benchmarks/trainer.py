@@ -51,7 +51,7 @@ def run_variant(model: str, steps: int, shared_prompt: bool, micro_batch: int) -
     system = rng.integers(0, 49152, SYSTEM_TOKENS).astype(np.int32)
     with tempfile.TemporaryDirectory(prefix="rlbus-bench-") as tmp:
         sets = [f"broker.port={port}", f"broker.pub_port={pub}", f"buffer.dir={tmp}/buffer", f"run.dir={tmp}",
-                "sync.sync_style=async", "sync.max_staleness=1000", "data.repeat=8", "data.batch_tasks=4",
+                "sync.sync_style=async", "sync.max_staleness=1000", "rollout.repeat=8", "data.batch_tasks=4",
                 "logging.level=warning"]
         with broker_process(sets, Path(tmp) / "buffer"):
             feeder = BrokerClient(f"tcp://127.0.0.1:{port}", "explorer", "feeder")

@@ -104,7 +104,7 @@ class Fleet:
     def add(self, name: str) -> None:
         args = [sys.executable, "-m", "rlbus.cli", "explorer", "--broker", self.broker, "--name", name]
         for s in (f"broker.pub_port={self.pub_port}", f"model.path={self.model}", "explorer.memory_fraction=0.15",
-                  "explorer.max_tokens=4", "explorer.tasks_per_lease=1", "logging.format=json",
+                  "rollout.max_tokens=4", "explorer.tasks_per_lease=1", "logging.format=json",
                   f"logging.file={self.logs / name}.jsonl"):
             args += ["--set", s]
         self.procs.append(subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL,
@@ -158,7 +158,7 @@ def main() -> None:
     port, pub_port = free_port(), free_port()
     sets = [f"broker.port={port}", f"broker.pub_port={pub_port}", "broker.host=127.0.0.1",
             f"buffer.dir={root / 'buffer'}", f"run.dir={root}", "sync.sync_style=lockstep", "sync.sync_interval=1",
-            "sync.sync_offset=0", "sync.sync_method=nccl", "data.batch_tasks=1", "data.repeat=2",
+            "sync.sync_offset=0", "sync.sync_method=nccl", "data.batch_tasks=1", "rollout.repeat=2", "rollout.max_tokens=4",
             "logging.format=json", f"logging.file={logs / 'broker.jsonl'}"]
     cfg = load_config(None, ["sync.sync_method=nccl", "sync.broadcast_backend=gloo", "sync.sync_timeout_s=120"],
                       environ={})

@@ -240,6 +240,13 @@ class Broker:
                 "message": f"name {h['name']!r} belongs to a live {holder.role} (last heard "
                            f"{now - holder.last_seen:.1f} s ago); pick another name, or retry once it has "
                            f"left or expired (in {wait:.1f} s)"})
+        differs = [f"rollout.{k}: this peer has {v!r}, the run {getattr(self.cfg.rollout, k)!r}"
+                   for k, v in h.get("rollout", {}).items()
+                   if k in P.ROLLOUT_SCHEMA and v != getattr(self.cfg.rollout, k)]
+        if differs:  # it would sample differently from what the trainer's importance weights assume
+            return self.reply(identity, msg, P.ERROR, {
+                "code": "conflict", "message": f"{'; '.join(differs)}: start it with the run's rollout settings, "
+                                               f"or leave them out to take the run's"})
         previous = self.peers.get(identity)
         if previous is not None and previous.name != h["name"]:
             self._drop(previous, "renamed")  # one connection, one name: the old one's leases go back
@@ -250,10 +257,10 @@ class Broker:
         self.reply(identity, msg, P.WELCOME, {
             "run_id": self.run_id, "started_at": self.started_at, "peer": peer.name, "heartbeat_interval_s": self.hb,
             "liveness": self.cfg.broker.liveness, "weights": self.bus.state, "credit": self.buffer.credit(),
-            "max_message_bytes": self.cfg.broker.max_message_bytes,
+            "max_message_bytes": self.cfg.broker.max_message_bytes, "rollout": self.cfg.rollout.model_dump(),
             "sync": {"sync_style": s.sync_style, "sync_interval": s.sync_interval, "sync_offset": s.sync_offset,
                      "max_staleness": s.max_staleness, "sync_method": s.sync_method,
-                     "batch_tasks": self.cfg.data.batch_tasks, "repeat": self.cfg.data.repeat}})
+                     "batch_tasks": self.cfg.data.batch_tasks, "repeat": self.cfg.rollout.repeat}})
 
     def _heartbeat(self, peer: Peer, msg: P.Message) -> None:
         if "policy_version" in msg.header:
@@ -275,7 +282,7 @@ class Broker:
 
     def refusal(self, batch_index: int, version: int) -> tuple[str, int] | None:
         """Admission control for an explorer holding `version` (see rlbus.broker.tasks.refusal)."""
-        queued = (sum(len(g.trajs) for g in self.store.ready.values()) // max(1, self.cfg.data.repeat)
+        queued = (sum(len(g.trajs) for g in self.store.ready.values()) // max(1, self.cfg.rollout.repeat)
                   + len(self.tasks.leases)) // self.cfg.data.batch_tasks
         step = self.buffer.trainer_step
         taken = step in self.store.batches or step <= self.store.committed_step
@@ -285,10 +292,10 @@ class Broker:
         version = msg.header["policy_version"]
         peer.policy_version = version
         now = time.time()
-        room = self.cfg.buffer.capacity - self.store.depth - len(self.tasks.leases) * self.cfg.data.repeat
-        if room < self.cfg.data.repeat:
+        room = self.cfg.buffer.capacity - self.store.depth - len(self.tasks.leases) * self.cfg.rollout.repeat
+        if room < self.cfg.rollout.repeat:
             return self.reply(peer.identity, msg, P.WAIT, {"reason": "buffer_full", "retry_after_s": self.hb})
-        max_tasks = min(msg.header["max_tasks"], max(1, room // self.cfg.data.repeat))
+        max_tasks = min(msg.header["max_tasks"], max(1, room // self.cfg.rollout.repeat))
         granted = self.tasks.lease(peer.name, max_tasks, now, lambda e: self.refusal(e, version) is None)
         if granted:
             tasks = [{"lease_id": lz.lease_id, "task_id": t["task_id"], "seq": lz.seq,

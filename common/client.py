@@ -51,7 +51,8 @@ class BrokerClient(Connection):
                  heartbeat_interval_s: float = 1.0, liveness: int = 5, backoff_initial_s: float = 0.1,
                  backoff_max_s: float = 5.0, policy_version: int = 0, capabilities: dict | None = None,
                  curve_server_key: str = "", curve_client_key: str = "", max_in_flight: int = 8,
-                 on_weights: Callable[[dict], None] | None = None, ctx: zmq.Context | None = None):
+                 on_weights: Callable[[dict], None] | None = None, ctx: zmq.Context | None = None,
+                 rollout: dict[str, Any] | None = None):
         self.address = address
         self.bus_address = bus_address
         self.role = role
@@ -63,6 +64,7 @@ class BrokerClient(Connection):
         self.backoff_max = backoff_max_s
         self.policy_version = policy_version
         self.capabilities = capabilities or {}
+        self.rollout = rollout  # the rollout settings this peer was given; the broker checks they agree
         self.curve = (curve_server_key, curve_client_key) if curve_server_key else None
         self.max_in_flight = max_in_flight
         self.on_weights = on_weights

@@ -22,7 +22,7 @@ from pydantic import ValidationError
 # The sections live in sections.py and are part of this module's API.
 from rlbus.common.sections import (  # noqa: F401
     AlgorithmConfig, BrokerConfig, BufferConfig, DataConfig, ExplorerConfig, LaunchConfig, LoggingConfig,
-    ModelConfig, RewardConfig, RewardTerm, Section, SyncConfig, TrainerConfig)
+    ModelConfig, RewardConfig, RewardTerm, RolloutConfig, Section, SyncConfig, TrainerConfig)
 
 
 class ConfigError(Exception):
@@ -40,6 +40,7 @@ class RunConfig(Section):
     run: RunSection = RunSection()
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
+    rollout: RolloutConfig = RolloutConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
     sync: SyncConfig = SyncConfig()
     buffer: BufferConfig = BufferConfig()
@@ -61,6 +62,11 @@ class RunConfig(Section):
 
 
 ENV_PREFIX = "RLBUS_"
+
+# Keys that moved, and where to: a config that still uses one is told.
+MOVED = {"explorer.temperature": "rollout.temperature", "explorer.top_p": "rollout.top_p",
+         "explorer.max_tokens": "rollout.max_tokens", "explorer.dtype": "rollout.dtype",
+         "data.repeat": "rollout.repeat", "trainer.seed": "rollout.seed"}
 
 
 def _parse_scalar(text: str) -> Any:
@@ -137,6 +143,11 @@ def load_config(path: str | Path | None = None, sets: list[str] | None = None,
         if not sep:
             raise ConfigError(f"--set {item!r}: expected key=value, e.g. --set trainer.lr=1e-6")
         _set_dotted(tree, key.strip(), _parse_scalar(text), f"--set {item}")
+    for old, new in MOVED.items():
+        section, _, field = old.partition(".")
+        if isinstance(tree.get(section), dict) and field in tree[section]:
+            raise ConfigError(f"{old} is now {new}: the settings every process of a run must agree on live in "
+                              f"the rollout section")
     try:
         return RunConfig.model_validate(tree)
     except ValidationError as err:

@@ -263,9 +263,12 @@ class Connection:
         """HELLO (again): until WELCOME comes back, requests wait in the held queue."""
         self._welcome_ok = False
         self._hello_req = next(self._ids)
-        self._send(P.HELLO, {"req": self._hello_req, "role": self.role, "name": self.name, "pid": os.getpid(),
-                             "host": socket.gethostname(), "session": self.session,
-                             "policy_version": self.policy_version, "capabilities": self.capabilities})
+        hello = {"req": self._hello_req, "role": self.role, "name": self.name, "pid": os.getpid(),
+                 "host": socket.gethostname(), "session": self.session, "policy_version": self.policy_version,
+                 "capabilities": self.capabilities}
+        if self.rollout:
+            hello["rollout"] = self.rollout
+        self._send(P.HELLO, hello)
 
     def _on_hello_refused(self, h: dict[str, Any]) -> None:
         """The broker refused our HELLO. A name still held by a peer that is going away is retried

@@ -162,7 +162,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
 SCHEMAS: dict[str, dict[str, tuple[str, bool]]] = {
     HELLO: {"req": ("int", False), "role": ("str", True), "name": ("str", True), "pid": ("int", False),
             "host": ("str", False), "policy_version": ("int", False), "capabilities": ("map", False),
-            "session": ("str", False)},
+            "session": ("str", False), "rollout": ("map", False)},
     HEARTBEAT: {"policy_version": ("int", False)},
     BYE: {"req": ("int", False)},
     LEASE: {"req": ("int", False), "max_tasks": ("int", True), "policy_version": ("int", True)},
@@ -184,6 +184,12 @@ BROADCAST_SCHEMA: dict[str, tuple[str, bool]] = {
 }
 EVAL_ITEM_SCHEMA: dict[str, tuple[str, bool]] = {"task": ("map", False), "text": ("str", True),
                                                  "token_ids": ("list", False)}
+# The run-wide sampling contract: WELCOME carries all of it; an explorer's HELLO may carry the fields it was
+# given, and the broker refuses it if one differs from the run's.
+ROLLOUT_SCHEMA: dict[str, tuple[str, bool]] = {
+    "temperature": ("float", False), "top_p": ("float", False), "max_tokens": ("int", False),
+    "dtype": ("str", False), "repeat": ("int", False), "seed": ("int", False),
+}
 # HELLO capabilities the broker reads; any other key is kept as it came (within MAX_DEPTH).
 CAPABILITY_LISTS = ("services", "sync_methods", "broadcast_backends")
 
@@ -271,6 +277,8 @@ def validate(msg: Message) -> None:
 def _check_hello(h: dict[str, Any]) -> None:
     if h["role"] not in ROLES:
         raise ProtocolError("bad_field", f"HELLO: role {brief(h['role'])} is not one of {sorted(ROLES)}")
+    if "rollout" in h:
+        _check_fields("HELLO rollout", h["rollout"], ROLLOUT_SCHEMA)
     for key in CAPABILITY_LISTS:
         value = h.get("capabilities", {}).get(key, [])
         if type(value) is not list or not all(type(v) is str and len(v) <= MAX_ID_CHARS for v in value):

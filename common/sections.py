@@ -45,8 +45,6 @@ class DataConfig(Section):
     """file: passes over the rows."""
     batch_tasks: int = Field(4, ge=1)
     """Tasks (prompts) per explorer batch; the trainer trains on this many groups per step."""
-    repeat: int = Field(8, ge=1)
-    """Samples generated per task (the group size)."""
     max_tasks: int = Field(0, ge=0)
     """Stop issuing tasks after this many (0: no limit; generated tasksets are endless)."""
     eval_seed: int = 1234
@@ -190,19 +188,29 @@ class BrokerConfig(Section):
     """Client side: path of this client's secret key file (its public key must be listed at the broker)."""
 
 
-class ExplorerConfig(Section):
-    name: str = ""
-    """Peer name; empty means explorer-<host>-<pid>."""
-    tasks_per_lease: int = Field(4, ge=1)
-    """Tasks asked for per LEASE."""
+class RolloutConfig(Section):
+    """What every process of a run must agree on about how samples are drawn. The broker sends it to each
+    explorer in WELCOME and refuses one whose own settings differ; the trainer's importance weights assume it."""
+
     temperature: float = Field(1.0, ge=0)
-    """Sampling temperature."""
+    """Sampling temperature (the trainer scales its logits by the same)."""
     top_p: float = Field(1.0, gt=0, le=1)
     """Nucleus sampling."""
     max_tokens: int = Field(24, ge=1)
     """New tokens per response."""
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
-    """vLLM compute dtype."""
+    """The dtype weights are published in and explorers' engines compute in."""
+    repeat: int = Field(8, ge=1)
+    """Samples generated per task (the group size)."""
+    seed: int = Field(0, ge=0)
+    """The run's seed: the engines' sampling and the trainer's initialisation."""
+
+
+class ExplorerConfig(Section):
+    name: str = ""
+    """Peer name; empty means explorer-<host>-<pid>."""
+    tasks_per_lease: int = Field(4, ge=1)
+    """Tasks asked for per LEASE."""
     eval_every: int = Field(0, ge=0)
     """Greedy accuracy on the held-out set every this many policy versions, and at versions 0 and the last (0: never)."""
     receive: Literal["auto", "checkpoint"] = "auto"
@@ -242,8 +250,6 @@ class TrainerConfig(Section):
     """Save a training checkpoint every K steps (0: never; then every step is committed at once)."""
     keep_checkpoints: int = Field(2, ge=1)
     """Training checkpoints kept on disk."""
-    seed: int = 0
-    """Training seed."""
     device: str = "cpu"
     """Torch device (cpu, cuda, cuda:1, ...)."""
     threads: int = Field(0, ge=0)

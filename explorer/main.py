@@ -57,21 +57,26 @@ class Explorer:
         self.client = BrokerClient(b.address, "explorer", self.name, bus_address=self.cfg.bus_address(),
                                    heartbeat_interval_s=b.heartbeat_interval_s, liveness=b.liveness,
                                    policy_version=self.engine.version,
-                                   capabilities=self._capabilities(),
+                                   capabilities=self._capabilities(), rollout=self._rollout_given(),
                                    curve_server_key=b.curve_server_key, curve_client_key=b.curve_client_key)
         welcome = self.client.start(timeout=60)
         if self.cfg.reward.service:
             from rlbus.reward.worker import RemoteReward
 
             self.reward_fn = RemoteReward(self.client, self.cfg.reward.service, self.cfg.reward.eval_timeout_s)
-        # The broker's view of the run wins over this process's config: every
-        # explorer of a run samples the same group size.
-        self.repeat = welcome["sync"]["repeat"]
+        # The run's rollout settings (the broker refuses an explorer whose own disagree with them).
+        self.rollout = welcome["rollout"]
         self.started_at = welcome.get("started_at", self.started_at)
         bind(peer=self.name)
         log.info("explorer_connected", run_id=welcome["run_id"], weights_version=welcome["weights"]["version"],
                  sync=welcome["sync"])
         return welcome
+
+    def _rollout_given(self) -> dict[str, Any]:
+        """The rollout settings this explorer was configured with (by file, environment or --set); the
+        others it takes from the run. The engine's dtype and seed are always given: the engine uses them."""
+        given = self.cfg.rollout.model_fields_set | {"dtype", "seed"}
+        return {k: v for k, v in self.cfg.rollout.model_dump().items() if k in given}
 
     def _capabilities(self) -> dict[str, Any]:
         if self.cfg.explorer.receive == "checkpoint":
@@ -148,7 +153,7 @@ class Explorer:
             return None
         started = time.monotonic()
         prompts = [self.engine.chat_prompt([{"role": "user", "content": t["prompt"]}]) for t in tasks]
-        outs = self.engine.generate(prompts, n=1, temperature=0.0, max_tokens=self.cfg.explorer.max_tokens)
+        outs = self.engine.generate(prompts, n=1, temperature=0.0, max_tokens=self.rollout["max_tokens"])
         from rlbus.reward.base import Response
 
         scores = [self.reward_fn(t, Response(o[0].text, o[0].token_ids)).score for t, o in zip(tasks, outs)]
@@ -185,8 +190,9 @@ class Explorer:
                 leases = reply.header["tasks"]
                 leased_at = time.monotonic()
                 started = time.monotonic()
-                kw = dict(repeat=self.repeat, temperature=ecfg.temperature, top_p=ecfg.top_p,
-                          max_tokens=ecfg.max_tokens, reward_fn=self.reward_fn, reward_name=self.cfg.reward.fn,
+                r = self.rollout
+                kw = dict(repeat=r["repeat"], temperature=r["temperature"], top_p=r["top_p"],
+                          max_tokens=r["max_tokens"], reward_fn=self.reward_fn, reward_name=self.cfg.reward.fn,
                           explorer=self.name, leased_at=leased_at)
                 if any("env" in lease["task"] for lease in leases):
                     groups = multi_turn(self.engine, leases, make_env, **kw)
@@ -234,8 +240,8 @@ def run(cfg: RunConfig) -> None:
     from rlbus.explorer.engine import Engine
     from rlbus.weights.models import resolve_model
 
-    engine = Engine(resolve_model(cfg.model.path, cfg.model.cache_dir), seed=cfg.trainer.seed,
-                    memory_fraction=cfg.explorer.memory_fraction, dtype=cfg.explorer.dtype,
+    engine = Engine(resolve_model(cfg.model.path, cfg.model.cache_dir), seed=cfg.rollout.seed,
+                    memory_fraction=cfg.explorer.memory_fraction, dtype=cfg.rollout.dtype,
                     core=cfg.explorer.engine_core)
     with engine:
         engine.warm_up()

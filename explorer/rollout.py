@@ -29,8 +29,9 @@ def score_all(reward_fn: Callable, tasks: list[dict], responses: list[Response],
 
 def build_trajectory(lease: dict[str, Any], index: int, repeat: int, version: int, explorer: str,
                      prompt_ids: list[int], response_ids: list[int], logprobs: list[float], loss_mask: list[int],
-                     result, finish_reason: str, text: str, timings: dict[str, float]) -> tuple[dict, bytes]:
-    """One trajectory's metadata and payload."""
+                     result, finish_reason: str, text: str, timings: dict[str, float],
+                     sampling: dict[str, float] | None = None) -> tuple[dict, bytes]:
+    """One trajectory's metadata and payload (with the sampling settings its logprobs were taken under)."""
     if not (len(response_ids) == len(logprobs) == len(loss_mask)):
         raise ValueError(f"response ids, logprobs and loss mask differ in length: "
                          f"{len(response_ids)}, {len(logprobs)}, {len(loss_mask)}")
@@ -44,7 +45,8 @@ def build_trajectory(lease: dict[str, Any], index: int, repeat: int, version: in
          "loss_mask": np.asarray(loss_mask, dtype=np.uint8)},
         {"id": meta["id"], "task_id": lease["task_id"], "group_id": lease["lease_id"], "explorer": explorer,
          "policy_version": version, "reward": result.score, "reward_details": result.details,
-         "reward_reason": result.reason, "finish_reason": finish_reason, "text": text, "timings": timings})
+         "reward_reason": result.reason, "finish_reason": finish_reason, "text": text, "timings": timings,
+         **({"sampling": sampling} if sampling else {})})
     return meta, payload
 
 
@@ -67,7 +69,8 @@ def single_turn(engine, leases: list[dict[str, Any]], *, repeat: int, temperatur
         timings = {"queue_s": round(started - leased_at, 4), "generate_s": round(generated - started, 4),
                    "reward_s": round(reward_s, 6)}
         groups.append([build_trajectory(lease, i, repeat, version, explorer, prompt_ids, s.token_ids, s.logprobs,
-                                        [1] * len(s.token_ids), r, s.finish_reason, s.text, timings)
+                                        [1] * len(s.token_ids), r, s.finish_reason, s.text, timings,
+                                        {"temperature": temperature, "top_p": top_p})
                        for i, (s, r) in enumerate(zip(group, results))])
     return groups
 
@@ -146,5 +149,5 @@ def multi_turn(engine, leases: list[dict[str, Any]], make_env: Callable, *, repe
                    "reward_s": 0.0}
         groups.setdefault(e.lease["lease_id"], []).append(build_trajectory(
             e.lease, e.index, repeat, version, explorer, e.prompt_ids, e.response_ids, e.logprobs, e.loss_mask,
-            result, e.finish_reason, "\n".join(e.turns), timings))
+            result, e.finish_reason, "\n".join(e.turns), timings, {"temperature": temperature, "top_p": top_p}))
     return [groups[lease["lease_id"]] for lease in leases]

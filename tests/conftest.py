@@ -36,7 +36,8 @@ class BrokerProcess:
         self.sets = [f"broker.port={self.port}", f"broker.pub_port={self.pub_port}", "broker.host=127.0.0.1",
                      f"buffer.dir={data_dir}", f"run.dir={data_dir}", "broker.heartbeat_interval_s=0.2",
                      "broker.liveness=5", "logging.format=json", f"logging.file={data_dir}/broker.jsonl",
-                     *(sets or [])]
+                     # The run's rollout settings as the tests' explorers use them (a test may override).
+                     "rollout.dtype=float32", "rollout.max_tokens=8", *(sets or [])]
         self.proc: subprocess.Popen | None = None
 
     @property

@@ -84,10 +84,10 @@ def cli(component: str, run: Path, ports: tuple[int, int], *extra: str) -> list[
     sets = [f"run.dir={run}", f"buffer.dir={run / 'buffer'}", f"broker.port={ports[0]}", f"broker.pub_port={ports[1]}",
             "broker.host=127.0.0.1", f"broker.address=tcp://127.0.0.1:{ports[0]}", "broker.heartbeat_interval_s=0.2",
             "broker.liveness=5", "broker.lease_timeout_s=20", "sync.sync_style=async",
-            f"sync.max_staleness={STALENESS}", "data.repeat=4", "data.batch_tasks=2", f"trainer.total_steps={STEPS}",
+            f"sync.max_staleness={STALENESS}", "rollout.repeat=4", "data.batch_tasks=2", f"trainer.total_steps={STEPS}",
             f"trainer.checkpoint_every={CHECKPOINT_EVERY}", "trainer.micro_batch=8", "trainer.fetch_wait_s=0.5",
-            "trainer.broker_timeout_s=1", "trainer.threads=1", "explorer.dtype=float32",
-            "explorer.memory_fraction=0.08", "explorer.max_tokens=48", "explorer.tasks_per_lease=2",
+            "trainer.broker_timeout_s=1", "trainer.threads=1", "rollout.dtype=float32",
+            "explorer.memory_fraction=0.08", "rollout.max_tokens=48", "explorer.tasks_per_lease=2",
             "explorer.eval_every=0", "algorithm.skip_zero_spread=false", "logging.format=json", *extra]
     return [sys.executable, "-m", "rlbus.cli", component, *[x for s in sets for x in ("--set", s)]]
 

@@ -99,7 +99,7 @@ def test_cuda_vllm_member_generates_with_broadcast_weights(broker_factory, clien
 
     base = str(make_tiny(tmp_path / "tiny", resolve_model("smollm2-135m")))
     engine = Engine(base, dtype="bfloat16", memory_fraction=0.3)
-    b = broker_factory("sync.sync_style=async", "sync.max_staleness=100", "data.repeat=4", "data.batch_tasks=2")
+    b = broker_factory("sync.sync_style=async", "sync.max_staleness=100", "rollout.repeat=4", "data.batch_tasks=2")
     trainer = clients(b, "trainer", "tr")
     cfg = load_config(None, ["sync.sync_method=nccl", "sync.broadcast_backend=nccl", "sync.sync_timeout_s=60"],
                       environ={})

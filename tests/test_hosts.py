@@ -59,9 +59,10 @@ def hosts():
 def test_broker_trainer_and_explorer_on_separate_hosts(hosts, tiny_model, tmp_path):
     names, broker_at = hosts
     run = tmp_path / "run"
-    common = ["--set", f"run.dir={run}", "--set", f"model.path={tiny_model}", "--set", "data.repeat=4",
+    common = ["--set", f"run.dir={run}", "--set", f"model.path={tiny_model}", "--set", "rollout.repeat=4",
               "--set", "data.batch_tasks=2", "--set", "sync.sync_interval=1", "--set", "sync.sync_offset=1",
-              "--set", "broker.heartbeat_interval_s=0.5", "--set", "logging.format=json"]
+              "--set", "broker.heartbeat_interval_s=0.5", "--set", "logging.format=json",
+              "--set", "rollout.dtype=float32", "--set", "rollout.max_tokens=8"]
     procs = []
 
     def start(role, command, *extra):
@@ -76,10 +77,9 @@ def test_broker_trainer_and_explorer_on_separate_hosts(hosts, tiny_model, tmp_pa
               "--set", "broker.pub_port=5556")
         trainer = start("t", "trainer", "--broker", f"tcp://{broker_at['t']}:5555", "--set", "trainer.total_steps=2",
                         "--set", "trainer.checkpoint_every=0", "--set", "trainer.micro_batch=4",
-                        "--set", "trainer.fetch_wait_s=1", "--set", "explorer.dtype=float32")
+                        "--set", "trainer.fetch_wait_s=1")
         start("e", "explorer", "--broker", f"tcp://{broker_at['e']}:5555", "--name", "far-explorer",
-              "--set", "explorer.dtype=float32", "--set", "explorer.memory_fraction=0.1",
-              "--set", "explorer.max_tokens=8")
+              "--set", "explorer.memory_fraction=0.1")
         assert trainer.wait(400) == 0, (tmp_path / "trainer.err").read_text()[-2000:]
     finally:
         for p in procs:

@@ -19,8 +19,8 @@ WINDOW = 6
 @pytest.mark.parametrize("preset", ["synchronous", "fully_async"])
 def test_tiny_model_reward_rises(tiny_model, tmp_path, preset):
     run_dir, _ = run_preset(preset, tiny_model, tmp_path, "reward.fn=tests.helpers.first_token:score",
-                            "explorer.max_tokens=1", "trainer.lr=1e-2", f"trainer.total_steps={STEPS}",
-                            "data.repeat=8", "data.batch_tasks=4", "explorer.tasks_per_lease=4",
+                            "rollout.max_tokens=1", "trainer.lr=1e-2", f"trainer.total_steps={STEPS}",
+                            "rollout.repeat=8", "data.batch_tasks=4", "explorer.tasks_per_lease=4",
                             "algorithm.skip_zero_spread=true", "algorithm.informative_wait_s=2", timeout=600)
     batches = sorted(events(run_dir, "explorer-0", "explorer_batch"), key=lambda e: e["batch_index"])
     rewards = [e["reward_mean"] for e in batches]

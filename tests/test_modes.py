@@ -23,9 +23,9 @@ STEPS = 8
 def run_preset(preset: str, tiny_model: str, tmp_path: Path, *extra: str, timeout: float = 240) -> tuple[Path, dict]:
     run_dir = tmp_path / "run"
     sets = [f"run.dir={run_dir}", f"model.path={tiny_model}", f"broker.port={free_port()}",
-            f"broker.pub_port={free_port()}", "broker.heartbeat_interval_s=0.5", "data.repeat=4",
+            f"broker.pub_port={free_port()}", "broker.heartbeat_interval_s=0.5", "rollout.repeat=4",
             "data.batch_tasks=2", f"trainer.total_steps={STEPS}", "trainer.checkpoint_every=0",
-            "trainer.micro_batch=8", "trainer.fetch_wait_s=1", "explorer.max_tokens=8", "explorer.dtype=float32",
+            "trainer.micro_batch=8", "trainer.fetch_wait_s=1", "rollout.max_tokens=8", "rollout.dtype=float32",
             "explorer.memory_fraction=0.1", "explorer.tasks_per_lease=2", "algorithm.skip_zero_spread=false",
             'launch.trainer_cpus=""', "launch.explorer_cpus=[]", "logging.format=json", *extra]
     preset_path = REPO / "configs" / "modes" / f"{preset}.yaml"

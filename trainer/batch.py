@@ -84,7 +84,10 @@ def check(body: dict[str, Any], vocab_size: int) -> str | None:
     return None
 
 
-def decode_batch(reply: P.Message, vocab_size: int) -> tuple[list[Sample], dict[str, int]]:
+def decode_batch(reply: P.Message, vocab_size: int, temperature: float | None = None
+                 ) -> tuple[list[Sample], dict[str, int]]:
+    """The batch's samples; trajectories that cannot be trained on are counted by reason and left out. One
+    sampled at another temperature than the trainer scales its logits by (`rollout.temperature`) is one."""
     metas = [t for g in reply.header["groups"] for t in g["trajectories"]]
     group_of = {t["id"]: gi for gi, g in enumerate(reply.header["groups"]) for t in g["trajectories"]}
     samples, rejected = [], {}
@@ -97,6 +100,10 @@ def decode_batch(reply: P.Message, vocab_size: int) -> tuple[list[Sample], dict[
             reason = check(body, vocab_size)
         if reason is None and not math.isfinite(meta["reward"]):
             reason = "non-finite reward"
+        sampling = body.get("sampling") if reason is None else None
+        sampled = sampling.get("temperature") if isinstance(sampling, dict) else None
+        if temperature is not None and isinstance(sampled, (int, float)) and abs(sampled - temperature) > 1e-6:
+            reason = f"sampled at temperature {sampled}, the trainer assumes {temperature} (rollout.temperature)"
         if reason is not None:
             rejected[reason] = rejected.get(reason, 0) + 1
             log.warning("trajectory_rejected", trajectory=meta["id"], reason=reason, explorer=meta.get("explorer"))

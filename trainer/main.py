@@ -55,7 +55,7 @@ class Trainer:
         t, a = cfg.trainer, cfg.algorithm
         if t.threads:
             torch.set_num_threads(t.threads)
-        seed_everything(t.seed)
+        seed_everything(cfg.rollout.seed)
         self.model = load_model(model_path, cfg)
         self.reference = load_model(model_path, cfg, trainable=False) if a.kl_coef > 0 else None
         tok = AutoTokenizer.from_pretrained(model_path)
@@ -78,16 +78,16 @@ class Trainer:
         run_dir = Path(cfg.run.dir)
         self.ckpt_dir = run_dir / "checkpoints"
         if publisher is None:
-            publisher = CheckpointPublisher(run_dir / "weights", model_path, dtype=DTYPES[cfg.explorer.dtype])
+            publisher = CheckpointPublisher(run_dir / "weights", model_path, dtype=DTYPES[cfg.rollout.dtype])
             if cfg.sync.sync_method == "nccl":
                 from rlbus.trainer.broadcast import BroadcastPublisher
 
-                publisher = BroadcastPublisher(cfg, publisher, dtype=DTYPES[cfg.explorer.dtype],
+                publisher = BroadcastPublisher(cfg, publisher, dtype=DTYPES[cfg.rollout.dtype],
                                                device=t.device)
         self.publisher = publisher
         self.step = 0
         self.version = 0
-        self.temperature = cfg.explorer.temperature or 1.0
+        self.temperature = cfg.rollout.temperature or 1.0
         self._stop = False
         self.client: BrokerClient | None = None
         self.broker_version = 0  # the version the broker announced when this trainer joined
@@ -195,7 +195,7 @@ class Trainer:
         if reply is None:
             return False
         compute_started = time.monotonic()
-        samples, rejected = decode_batch(reply, self.vocab)
+        samples, rejected = decode_batch(reply, self.vocab, self.cfg.rollout.temperature or None)
         batch = build_batch(samples, rejected, self.cfg.algorithm.advantage, self.cfg.algorithm.drops_zero_spread(),
                             self.pad_id)
         metrics: dict[str, float] = {}
@@ -283,8 +283,8 @@ class Trainer:
         log.info("train_step", step=self.step, policy_version=self.step, new_version=self.version,
                  groups=batch.groups if batch is not None else 0,
                  groups_dropped=(batch.dropped_groups if batch is not None else 0) + reply.header.get("skipped", 0)
-                 // max(1, self.cfg.data.repeat),
-                 groups_expired=reply.header.get("expired", 0) // max(1, self.cfg.data.repeat),
+                 // max(1, self.cfg.rollout.repeat),
+                 groups_expired=reply.header.get("expired", 0) // max(1, self.cfg.rollout.repeat),
                  samples=batch.size if batch is not None else 0, rejected=batch.rejected if batch is not None else {},
                  reward_mean=round(float(rewards.mean()), 4) if rewards.numel() else None,
                  reward_std=round(float(rewards.std()), 4) if rewards.numel() > 1 else None,
@@ -303,7 +303,9 @@ class Trainer:
         self.client = BrokerClient(b.address, "trainer", self.cfg.trainer.name, bus_address=None,
                                    heartbeat_interval_s=b.heartbeat_interval_s, liveness=b.liveness,
                                    policy_version=self.version, curve_server_key=b.curve_server_key,
-                                   curve_client_key=b.curve_client_key)
+                                   curve_client_key=b.curve_client_key,
+                                   # what its importance weights and published weights assume: the broker checks
+                                   rollout={"temperature": self.cfg.rollout.temperature, "dtype": self.cfg.rollout.dtype})
         welcome = self.client.start(timeout=60)
         self.broker_version = welcome["weights"]["version"]
         if self.broker_version > self.version:

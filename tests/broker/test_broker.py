@@ -151,7 +151,7 @@ def test_only_the_trainer_fetches_and_one_trainer_at_a_time(broker, clients):
 
 def test_full_buffer_defers_puts_and_refuses_leases_without_dropping(broker_factory, clients):
     """At capacity, PUTs wait for credit and LEASE says buffer_full; committing frees room and they go on."""
-    b = broker_factory("buffer.capacity=4", "data.repeat=2")
+    b = broker_factory("buffer.capacity=4", "rollout.repeat=2")
     ex = clients(b, "explorer", "ex")
     ex.put(group("a") + group("b"), timeout=5)
     assert ex.request(P.LEASE, {"max_tasks": 1, "policy_version": 0}).header["reason"] == "buffer_full"
@@ -162,3 +162,32 @@ def test_full_buffer_defers_puts_and_refuses_leases_without_dropping(broker_fact
     tr.request(P.FETCH, {"step": 0, "max_groups": 2})
     tr.request(P.COMMIT, {"step": 0})
     assert sorted(pending.result(5)["stored"]) == ["c.0", "c.1"]
+
+
+def test_rollout_settings_reach_peers_and_a_disagreeing_peer_is_refused(broker_factory, raw_dealer):
+    b = broker_factory("rollout.temperature=0.7", "rollout.repeat=4")
+    sock = raw_dealer(b.address)
+    sock.send_multipart(P.encode(P.HELLO, {"role": "explorer", "name": "agrees", "req": 1,
+                                           "rollout": {"temperature": 0.7, "dtype": "float32"}}))
+    welcome = recv(sock)
+    assert welcome.command == P.WELCOME
+    assert welcome.header["rollout"] == {"temperature": 0.7, "top_p": 1.0, "max_tokens": 8, "dtype": "float32",
+                                         "repeat": 4, "seed": 0}
+    other = raw_dealer(b.address)
+    other.send_multipart(P.encode(P.HELLO, {"role": "explorer", "name": "hotter", "req": 2,
+                                            "rollout": {"temperature": 1.0, "repeat": 4}}))
+    refused = recv(other)
+    assert refused.command == P.ERROR and refused.header["code"] == "conflict"
+    assert "rollout.temperature" in refused.header["message"] and "0.7" in refused.header["message"]
+    assert "rollout.repeat" not in refused.header["message"]  # the fields that agree are not named
+    other.send_multipart(P.encode(P.HELLO, {"role": "explorer", "name": "typo", "req": 3,
+                                            "rollout": {"temperature": "hot"}}))
+    assert recv(other).header["code"] == "bad_field"
+
+
+def test_old_rollout_keys_are_a_clear_config_error():
+    from rlbus.common.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="explorer.temperature is now rollout.temperature"):
+        load_config(None, ["explorer.temperature=0.5"], environ={})
+    assert load_config(None, ["rollout.temperature=0.5"], environ={}).rollout.temperature == 0.5

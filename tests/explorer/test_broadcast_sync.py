@@ -77,7 +77,7 @@ def tear_down(ex: Explorer, thread: threading.Thread | None, proc: subprocess.Po
 
 def test_mixed_fleet_late_joiner_gets_the_checkpoint_then_the_broadcast(broker_factory, clients, engine, tiny_model,
                                                                         tmp_path):
-    b = broker_factory("sync.sync_style=async", "sync.max_staleness=100", "data.repeat=4", "data.batch_tasks=2")
+    b = broker_factory("sync.sync_style=async", "sync.max_staleness=100", "rollout.repeat=4", "data.batch_tasks=2")
     trainer = clients(b, "trainer", "tr")
     pub = publisher(tmp_path, tiny_model, timeout_s=60)
     pub.attach(trainer)
@@ -85,7 +85,7 @@ def test_mixed_fleet_late_joiner_gets_the_checkpoint_then_the_broadcast(broker_f
     log_file = tmp_path / "files.jsonl"
     args = [sys.executable, "-m", "rlbus.cli", "explorer", "--broker", b.address, "--name", "files"]
     for s in (f"broker.pub_port={b.pub_port}", "broker.heartbeat_interval_s=0.2", f"model.path={tiny_model}",
-              "explorer.dtype=float32", "explorer.memory_fraction=0.1", "explorer.max_tokens=8",
+              "rollout.dtype=float32", "explorer.memory_fraction=0.1", "rollout.max_tokens=8",
               "explorer.tasks_per_lease=2", "explorer.receive=checkpoint", "logging.format=json",
               f"logging.file={log_file}"):
         args += ["--set", s]
@@ -135,7 +135,7 @@ def test_mixed_fleet_late_joiner_gets_the_checkpoint_then_the_broadcast(broker_f
 
 def test_member_killed_mid_broadcast_does_not_hang_the_trainer(broker_factory, clients, engine, tiny_model, tmp_path):
     timeout_s = 10.0
-    b = broker_factory("sync.sync_style=async", "sync.max_staleness=100", "data.repeat=4", "data.batch_tasks=2")
+    b = broker_factory("sync.sync_style=async", "sync.max_staleness=100", "rollout.repeat=4", "data.batch_tasks=2")
     trainer = clients(b, "trainer", "tr")
     pub = publisher(tmp_path, tiny_model, timeout_s=timeout_s)
     pub.attach(trainer)

@@ -18,8 +18,9 @@ from rlbus.explorer.main import Explorer
 
 def explorer_config(b, *sets):
     return load_config(None, [f"broker.address={b.address}", f"broker.pub_port={b.pub_port}",
-                              "broker.heartbeat_interval_s=0.2", "data.repeat=4", "data.batch_tasks=2",
-                              "explorer.tasks_per_lease=2", "explorer.max_tokens=8", *sets], environ={})
+                              "broker.heartbeat_interval_s=0.2", "rollout.repeat=4", "data.batch_tasks=2",
+                              "explorer.tasks_per_lease=2", "rollout.max_tokens=8", "rollout.dtype=float32", *sets],
+                       environ={})
 
 
 def fetch_all(trainer, step=0, max_groups=64):
@@ -37,7 +38,7 @@ def publish(trainer, model_dir, version):
 
 def test_explorer_leases_rolls_out_and_publishes(broker_factory, clients, engine):
     """Groups of `repeat` trajectories arrive with agreeing shapes and finite logprobs <= 0."""
-    b = broker_factory("sync.sync_style=async", "sync.max_staleness=4", "data.repeat=4", "data.batch_tasks=2")
+    b = broker_factory("sync.sync_style=async", "sync.max_staleness=4", "rollout.repeat=4", "rollout.max_tokens=8", "data.batch_tasks=2")
     ex = Explorer(explorer_config(b, "sync.sync_style=async"), engine, name="ex-1")
     assert ex.run(max_batches=2) == 2
     trainer = clients(b, "trainer", "tr")
@@ -76,7 +77,7 @@ def test_new_checkpoint_is_loaded_and_trajectories_carry_its_version(broker_fact
     """After PUBLISH, the explorer loads the weights (digest checked) and tags trajectories with the version."""
     from rlbus.weights.models import make_tiny
 
-    b = broker_factory("sync.sync_style=async", "sync.max_staleness=8", "data.repeat=4", "data.batch_tasks=2")
+    b = broker_factory("sync.sync_style=async", "sync.max_staleness=8", "rollout.repeat=4", "rollout.max_tokens=8", "data.batch_tasks=2")
     trainer = clients(b, "trainer", "tr")
     v1 = make_tiny(tmp_path / "v1", tiny_model, seed=1)
     publish(trainer, v1, 1)
@@ -101,7 +102,7 @@ def test_new_checkpoint_is_loaded_and_trajectories_carry_its_version(broker_fact
 def test_lockstep_explorer_waits_for_the_version_it_needs(broker_factory, clients, engine, tiny_model, tmp_path):
     """Synchronous lockstep (I=1, O=0): batch 1 is generated only after version 1 is published."""
     b = broker_factory("sync.sync_style=lockstep", "sync.sync_interval=1", "sync.sync_offset=0",
-                       "data.repeat=4", "data.batch_tasks=2")
+                       "rollout.repeat=4", "rollout.max_tokens=8", "data.batch_tasks=2")
     trainer = clients(b, "trainer", "tr")
     ex = Explorer(explorer_config(b), engine, name="ex-3")
     thread = threading.Thread(target=ex.run, kwargs={"max_batches": 2})

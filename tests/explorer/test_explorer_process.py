@@ -19,12 +19,12 @@ from tests.explorer.test_explorer import explorer_config
 
 
 def test_explorer_killed_mid_batch_has_its_leases_reissued(broker_factory, clients, engine, tiny_model, tmp_path):
-    b = broker_factory("sync.sync_style=async", "sync.max_staleness=100", "data.repeat=4", "data.batch_tasks=2",
-                       "data.max_tasks=6")
+    b = broker_factory("sync.sync_style=async", "sync.max_staleness=100", "rollout.repeat=4", "data.batch_tasks=2",
+                       "data.max_tasks=6", "rollout.max_tokens=400")
     tool = clients(b, "tool", "watch")
     args = [sys.executable, "-m", "rlbus.cli", "explorer", "--broker", b.address, "--name", "victim"]
     for s in (f"broker.pub_port={b.pub_port}", "broker.heartbeat_interval_s=0.2", f"model.path={tiny_model}",
-              "explorer.dtype=float32", "explorer.memory_fraction=0.1", "explorer.max_tokens=400",
+              "rollout.dtype=float32", "explorer.memory_fraction=0.1", "rollout.max_tokens=400",
               "explorer.tasks_per_lease=2", "logging.format=json"):
         args += ["--set", s]
     # Its own session, so the kill takes its vLLM engine processes too, as a dying host would.
@@ -45,7 +45,7 @@ def test_explorer_killed_mid_batch_has_its_leases_reissued(broker_factory, clien
         status = tool.request(P.STATUS).header
         assert status["buffer"]["stored"] == 0, "killed before it PUT anything"
         # Another explorer picks up the victim's tasks once the broker drops it.
-        ex = Explorer(explorer_config(b, "sync.sync_style=async"), engine, name="rescuer")
+        ex = Explorer(explorer_config(b, "sync.sync_style=async", "rollout.max_tokens=400"), engine, name="rescuer")
         ex.run()  # until the taskset is done
         status = tool.request(P.STATUS).header
         assert status["tasks"]["done"] == 6 and status["tasks"]["leased"] == 0
@@ -64,8 +64,8 @@ def test_explorer_killed_mid_batch_has_its_leases_reissued(broker_factory, clien
 def _start_explorer(b, name: str, tmp_path, *sets: str) -> subprocess.Popen:
     """A standalone `rlbus explorer` in a session of its own, logging JSON to tmp_path/NAME.jsonl."""
     args = [sys.executable, "-m", "rlbus.cli", "explorer", "--broker", b.address, "--name", name]
-    for s in (f"broker.pub_port={b.pub_port}", "broker.heartbeat_interval_s=0.2", "explorer.dtype=float32",
-              "explorer.memory_fraction=0.1", "explorer.max_tokens=200", "explorer.tasks_per_lease=2", "logging.format=json", f"logging.file={tmp_path}/{name}.jsonl", *sets):
+    for s in (f"broker.pub_port={b.pub_port}", "broker.heartbeat_interval_s=0.2", "rollout.dtype=float32",
+              "explorer.memory_fraction=0.1", "rollout.max_tokens=200", "explorer.tasks_per_lease=2", "logging.format=json", f"logging.file={tmp_path}/{name}.jsonl", *sets):
         args += ["--set", s]
     return subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"{name}.err", "w"),
                             start_new_session=True)
@@ -95,7 +95,8 @@ def _stop_group(proc: subprocess.Popen) -> None:
 
 
 def test_sigterm_finishes_the_batch_puts_it_and_says_bye(broker_factory, clients, tiny_model, tmp_path):
-    b = broker_factory("sync.sync_style=async", "sync.max_staleness=100", "data.repeat=4", "data.batch_tasks=2")
+    b = broker_factory("sync.sync_style=async", "sync.max_staleness=100", "rollout.repeat=4", "data.batch_tasks=2",
+                       "rollout.max_tokens=200")
     tool = clients(b, "tool", "watch")
     proc = _start_explorer(b, "polite", tmp_path, f"model.path={tiny_model}")
     try:
@@ -124,7 +125,8 @@ def test_sigkilled_explorer_takes_its_engine_processes_with_it(broker_factory, c
     the explorer's pid is killed, as the OOM killer or `kill -9` would."""
     import psutil
 
-    b = broker_factory("sync.sync_style=async", "sync.max_staleness=100", "data.repeat=4", "data.batch_tasks=2")
+    b = broker_factory("sync.sync_style=async", "sync.max_staleness=100", "rollout.repeat=4", "data.batch_tasks=2",
+                       "rollout.max_tokens=200")
     tool = clients(b, "tool", "watch")
     proc = _start_explorer(b, "doomed", tmp_path, f"model.path={tiny_model}", "explorer.engine_core=process")
     try:
@@ -143,7 +145,8 @@ def test_sigkilled_explorer_takes_its_engine_processes_with_it(broker_factory, c
 def test_sigterm_with_the_broker_gone_too_exits_instead_of_waiting(broker_factory, clients, tiny_model, tmp_path):
     """The whole run stopping at once: the broker is gone when the explorer is told to stop. The explorer
     gives up on the batch it cannot PUT once the broker has been silent for `liveness` heartbeats."""
-    b = broker_factory("sync.sync_style=async", "sync.max_staleness=100", "data.repeat=4", "data.batch_tasks=2")
+    b = broker_factory("sync.sync_style=async", "sync.max_staleness=100", "rollout.repeat=4", "data.batch_tasks=2",
+                       "rollout.max_tokens=200")
     tool = clients(b, "tool", "watch")
     proc = _start_explorer(b, "stranded", tmp_path, f"model.path={tiny_model}")
     try:

@@ -118,7 +118,7 @@ def test_trainer_step_is_the_same_with_and_without_shared_prompts(tiny_model, tm
     after = {}
     for shared in (False, True):
         cfg = load_config(None, [f"run.dir={tmp_path}/run{shared}", "trainer.lr=1e-3", "trainer.micro_batch=5",
-                                 f"trainer.shared_prompt={shared}", "explorer.dtype=float32"], environ={})
+                                 f"trainer.shared_prompt={shared}", "rollout.dtype=float32"], environ={})
         trainer = Trainer(cfg, tiny_model)
         metrics = trainer.train_on(batch)
         after[shared] = (metrics, torch.cat([q.detach().flatten() for q in trainer.model.parameters()]))

@@ -23,9 +23,9 @@ STEPS = 6
 def start_trainer(b, run_dir, tiny_model, log_path, steps=STEPS, checkpoint_every=2):
     args = [sys.executable, "-m", "rlbus.cli", "trainer", "--broker", b.address]
     for s in ("broker.heartbeat_interval_s=0.2", f"run.dir={run_dir}", f"model.path={tiny_model}",
-              "data.repeat=4", "data.batch_tasks=2", "sync.sync_style=async", "sync.max_staleness=100",
+              "rollout.repeat=4", "data.batch_tasks=2", "sync.sync_style=async", "sync.max_staleness=100",
               "trainer.lr=1e-3", "trainer.micro_batch=3", f"trainer.total_steps={steps}", f"trainer.checkpoint_every={checkpoint_every}",
-              "trainer.fetch_wait_s=1", "trainer.threads=1", "explorer.dtype=float32", "logging.format=json",
+              "trainer.fetch_wait_s=1", "trainer.threads=1", "rollout.dtype=float32", "logging.format=json",
               f"logging.file={log_path}"):
         args += ["--set", s]
     return subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -65,7 +65,7 @@ def feed(b, clients, steps=STEPS):
 
 
 def test_sigkill_and_resume_gives_the_weights_of_an_uninterrupted_run(broker_factory, clients, tiny_model, tmp_path):
-    sets = ("sync.sync_style=async", "sync.max_staleness=100", "data.repeat=4", "data.batch_tasks=2")
+    sets = ("sync.sync_style=async", "sync.max_staleness=100", "rollout.repeat=4", "data.batch_tasks=2")
     # The uninterrupted run.
     a = broker_factory(*sets)
     feed(a, clients)
@@ -99,7 +99,7 @@ def test_trainer_killed_two_steps_after_its_checkpoint_resumes_and_finishes(brok
     """The broker announced a version newer than the checkpoint's: the resumed trainer skips publishing up to it
     instead of failing on `conflict` at every restart."""
     steps = 8
-    b = broker_factory("sync.sync_style=async", "sync.max_staleness=100", "data.repeat=4", "data.batch_tasks=2")
+    b = broker_factory("sync.sync_style=async", "sync.max_staleness=100", "rollout.repeat=4", "data.batch_tasks=2")
     feed(b, clients, steps)
     log_path = tmp_path / "t.jsonl"
     proc = start_trainer(b, tmp_path / "run", tiny_model, log_path, steps, checkpoint_every=4)
@@ -127,14 +127,14 @@ def test_trainer_waits_out_a_broker_outage_longer_than_its_request_timeout(broke
     """The broker is SIGKILLed and stays down for several request timeouts: the trainer waits, logs it,
     and finishes the run once the broker is back on the same data."""
     steps = 4
-    b = broker_factory("sync.sync_style=async", "sync.max_staleness=100", "data.repeat=4", "data.batch_tasks=2")
+    b = broker_factory("sync.sync_style=async", "sync.max_staleness=100", "rollout.repeat=4", "data.batch_tasks=2")
     log_path = tmp_path / "t.jsonl"
     args = [sys.executable, "-m", "rlbus.cli", "trainer", "--broker", b.address]
     for s in ("broker.heartbeat_interval_s=0.2", f"run.dir={tmp_path / 'run'}", f"model.path={tiny_model}",
-              "data.repeat=4", "data.batch_tasks=2", "sync.sync_style=async", "sync.max_staleness=100",
+              "rollout.repeat=4", "data.batch_tasks=2", "sync.sync_style=async", "sync.max_staleness=100",
               "trainer.micro_batch=4", f"trainer.total_steps={steps}", "trainer.checkpoint_every=0",
               "trainer.fetch_wait_s=0.5", "trainer.broker_timeout_s=1", "trainer.threads=1",
-              "explorer.dtype=float32", "logging.format=json", f"logging.file={log_path}"):
+              "rollout.dtype=float32", "logging.format=json", f"logging.file={log_path}"):
         args += ["--set", s]
     proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

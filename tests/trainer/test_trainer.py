@@ -43,9 +43,9 @@ def synthetic(gid: str, version: int = 0, repeat: int = 4, batch: int = 0, seed:
 
 def trainer_config(b, tmp_path, *sets):
     return load_config(None, [f"broker.address={b.address}", "broker.heartbeat_interval_s=0.2",
-                              f"run.dir={tmp_path}/run", "data.repeat=4", "data.batch_tasks=2",
+                              f"run.dir={tmp_path}/run", "rollout.repeat=4", "data.batch_tasks=2",
                               "trainer.lr=1e-3", "trainer.micro_batch=3", "trainer.checkpoint_every=0",
-                              "trainer.fetch_wait_s=1", "explorer.dtype=float32", *sets], environ={})
+                              "trainer.fetch_wait_s=1", "rollout.dtype=float32", *sets], environ={})
 
 
 def test_trainer_steps_publish_and_published_weights_match_in_transformers_and_vllm(
@@ -55,7 +55,7 @@ def test_trainer_steps_publish_and_published_weights_match_in_transformers_and_v
     from rlbus.trainer.main import Trainer
     from rlbus.trainer.model import token_logprobs
 
-    b = broker_factory("sync.sync_style=async", "sync.max_staleness=4", "data.repeat=4", "data.batch_tasks=2")
+    b = broker_factory("sync.sync_style=async", "sync.max_staleness=4", "rollout.repeat=4", "data.batch_tasks=2")
     ex = clients(b, "explorer", "feeder")
     for g in range(4):
         ex.put(synthetic(f"g{g}", batch=g // 2), timeout=10)
@@ -94,7 +94,7 @@ def test_trainer_steps_publish_and_published_weights_match_in_transformers_and_v
 def test_stale_trajectories_are_never_trained_on(broker_factory, clients, tiny_model, tmp_path):
     from rlbus.trainer.main import Trainer
 
-    b = broker_factory("sync.sync_style=async", "sync.max_staleness=1", "data.repeat=4", "data.batch_tasks=2")
+    b = broker_factory("sync.sync_style=async", "sync.max_staleness=1", "rollout.repeat=4", "data.batch_tasks=2")
     ex = clients(b, "explorer", "feeder")
     for v in (0, 1, 2, 3):
         ex.put(synthetic(f"v{v}", version=v), timeout=10)
@@ -112,7 +112,7 @@ def test_stale_trajectories_are_never_trained_on(broker_factory, clients, tiny_m
 def test_bad_trajectories_are_rejected_with_reasons_and_training_goes_on(broker_factory, clients, tiny_model, tmp_path):
     from rlbus.trainer.main import Trainer
 
-    b = broker_factory("sync.sync_style=async", "sync.max_staleness=4", "data.repeat=4", "data.batch_tasks=2")
+    b = broker_factory("sync.sync_style=async", "sync.max_staleness=4", "rollout.repeat=4", "data.batch_tasks=2")
     ex = clients(b, "explorer", "feeder")
     ex.put(synthetic("bad1", bad={0: "nan", 1: "vocab"}), timeout=10)
     ex.put(synthetic("bad2", bad={2: "empty", 3: "lengths"}), timeout=10)
@@ -133,7 +133,7 @@ def test_nothing_to_train_still_counts_as_the_step(broker_factory, clients, tiny
     """Lockstep: an all-zero-spread batch produces no update, but the version moves so explorers never stall."""
     from rlbus.trainer.main import Trainer
 
-    b = broker_factory("sync.sync_style=lockstep", "data.repeat=4", "data.batch_tasks=1")
+    b = broker_factory("sync.sync_style=lockstep", "rollout.repeat=4", "data.batch_tasks=1")
     ex = clients(b, "explorer", "feeder")
     lease = ex.request(P.LEASE, {"max_tasks": 1, "policy_version": 0}).header["tasks"][0]
     flat = [(dict(m, reward=1.0), p) for m, p in synthetic(lease["lease_id"], batch=0)]
@@ -156,7 +156,7 @@ def test_first_step_waits_for_the_explorers_it_was_told_of(broker_factory, clien
 
     from rlbus.trainer.main import Trainer
 
-    b = broker_factory("sync.sync_style=async", "sync.max_staleness=4", "data.repeat=4", "data.batch_tasks=2")
+    b = broker_factory("sync.sync_style=async", "sync.max_staleness=4", "rollout.repeat=4", "data.batch_tasks=2")
     ex = clients(b, "explorer", "early")
     ex.put(synthetic("g1") + synthetic("g2"), timeout=10)
     cfg = trainer_config(b, tmp_path, "sync.sync_style=async", "sync.max_staleness=4", "trainer.total_steps=1",
@@ -175,7 +175,7 @@ def test_first_step_waits_for_the_explorers_it_was_told_of(broker_factory, clien
 def test_a_missing_explorer_is_waited_for_only_so_long(broker_factory, clients, tiny_model, tmp_path):
     from rlbus.trainer.main import Trainer
 
-    b = broker_factory("sync.sync_style=async", "sync.max_staleness=4", "data.repeat=4", "data.batch_tasks=2")
+    b = broker_factory("sync.sync_style=async", "sync.max_staleness=4", "rollout.repeat=4", "data.batch_tasks=2")
     ex = clients(b, "explorer", "only")
     ex.put(synthetic("g1") + synthetic("g2"), timeout=10)
     cfg = trainer_config(b, tmp_path, "sync.sync_style=async", "sync.max_staleness=4", "trainer.total_steps=1",
@@ -199,7 +199,7 @@ def test_batch_loss_denominator_counts_the_all_equal_groups_left_out(tiny_model,
     grads = {}
     for denominator, skipped in (("trained", 20), ("batch", 20), ("batch", 0)):
         cfg = load_config(None, [f"run.dir={tmp_path}/run", "trainer.lr=1e-3", "trainer.micro_batch=12",
-                                 f"algorithm.loss_denominator={denominator}", "explorer.dtype=float32"], environ={})
+                                 f"algorithm.loss_denominator={denominator}", "rollout.dtype=float32"], environ={})
         trainer = Trainer(cfg, tiny_model)
         metrics = trainer.train_on(batch, skipped=skipped)
         grads[denominator, skipped] = (metrics["loss"], metrics["grad_norm"])

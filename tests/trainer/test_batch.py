@@ -1,0 +1,32 @@
+"""Decoding a BATCH: trajectories that cannot be trained on are counted by reason and left out."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from rlbus.common import protocol as P
+from rlbus.common.trajectory import encode_payload
+from rlbus.trainer.batch import decode_batch
+
+
+def trajectory(tid: str, sampling: dict | None) -> tuple[dict, bytes]:
+    extra = {"sampling": sampling} if sampling is not None else {}
+    payload = encode_payload({"prompt_ids": np.array([1, 2], dtype=np.int32),
+                              "response_ids": np.array([3, 4], dtype=np.int32),
+                              "logprobs": np.array([-1.0, -0.5], dtype=np.float32),
+                              "loss_mask": np.ones(2, dtype=np.uint8)}, extra)
+    return {"id": tid, "group_id": "g", "task_id": "t", "group_size": 3, "batch_index": 0, "policy_version": 0,
+            "reward": 1.0, "n_tokens": 2}, payload
+
+
+def test_a_trajectory_sampled_at_another_temperature_is_left_out():
+    items = [trajectory("a", {"temperature": 0.7, "top_p": 1.0}), trajectory("b", {"temperature": 1.0, "top_p": 1.0}),
+             trajectory("c", None)]  # a producer that does not say: trusted, as before
+    metas = [m for m, _ in items]
+    frame = P.join_payloads(metas, [p for _, p in items])
+    reply = P.Message(P.BATCH, {"groups": [{"group_id": "g", "batch_index": 0, "trajectories": metas}]}, [frame])
+    samples, rejected = decode_batch(reply, vocab_size=10, temperature=0.7)
+    assert [s.id for s in samples] == ["a", "c"]
+    assert list(rejected.values()) == [1] and "temperature 1.0" in next(iter(rejected))
+    samples, rejected = decode_batch(reply, vocab_size=10)  # no temperature to check against
+    assert len(samples) == 3 and not rejected
