@@ -56,6 +56,7 @@ def main() -> None:
     from rlbus.explorer.engine import Engine
     from rlbus.explorer.main import Explorer
     from rlbus.weights.models import resolve_model
+    from rlbus.weights.sync import load_checkpoint
 
     setup_logging("bench", "warning", "json")
     model = Path(resolve_model(args.model))
@@ -104,7 +105,12 @@ def main() -> None:
                 explorer.run(max_batches=args.batches)
                 wall = time.perf_counter() - started
                 trainer.close()
-                reload_s = min(engine.load_checkpoint(str(model), digest, published[0] + 1 + i) for i in range(3))
+                def reload(version: int) -> float:
+                    started = time.perf_counter()
+                    load_checkpoint(engine, str(model), digest, version)
+                    return time.perf_counter() - started
+
+                reload_s = min(reload(published[0] + 1 + i) for i in range(3))
                 file_read_s = min(read_files(model) for _ in range(3))
                 digest_s = min((lambda t: (weights_digest(model), time.perf_counter() - t)[1])(time.perf_counter())
                                for _ in range(2))

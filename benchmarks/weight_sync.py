@@ -148,8 +148,8 @@ def main() -> None:
     from rlbus.common.client import BrokerClient
     from rlbus.common.config import load_config
     from rlbus.weights.models import resolve_model
-    from rlbus.trainer.broadcast import BroadcastPublisher
-    from rlbus.trainer.publish import CheckpointPublisher
+    from rlbus.weights.broadcaster import BroadcastSender
+    from rlbus.weights.checkpoint import CheckpointSender
 
     model_dir = resolve_model(args.model)
     root = Path(tempfile.mkdtemp(prefix="rlbus-wsync-"))
@@ -163,8 +163,8 @@ def main() -> None:
     cfg = load_config(None, ["sync.sync_method=nccl", "sync.broadcast_backend=gloo", "sync.sync_timeout_s=120"],
                       environ={})
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    files = CheckpointPublisher(root / "weights", model_dir, dtype=torch.bfloat16)
-    pub = BroadcastPublisher(cfg, files, dtype=torch.bfloat16)
+    files = CheckpointSender(root / "weights", model_dir, dtype=torch.bfloat16)
+    pub = BroadcastSender(cfg, files, dtype=torch.bfloat16)
     results: dict = {}
     with broker_process(sets, root / "buffer"):
         trainer = BrokerClient(f"tcp://127.0.0.1:{port}", "trainer", "bench", heartbeat_interval_s=0.5)

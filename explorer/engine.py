@@ -4,11 +4,11 @@ One `vllm.LLM` per explorer process. `generate` takes prompt token ids and
 returns, for each prompt, `n` samples with their token ids, the logprob of
 every sampled token under the distribution it was sampled from
 (`logprobs_mode="processed_logprobs"`: after temperature and top-p), the
-finish reason and the text. `load_checkpoint` checks the digest of a
-published weights directory, loads it into the running engine through the
-worker extension, and only then moves `version`: a generation never starts
-on half-loaded weights, and none is dropped around a load (the two take turns
-on one lock).
+finish reason and the text. `reload` loads a version into the running
+engine from a weight-sync source (rlbus.weights.sync chooses it and checks
+digests) through the worker extension, and only then moves `version`: a
+generation never starts on half-loaded weights, and none is dropped around a
+load (the two take turns on one lock).
 
 vLLM spawns processes: create an Engine only under `if __name__ == "__main__"`
 or in a process started by the CLI.
@@ -24,7 +24,6 @@ from typing import Sequence
 
 import structlog
 
-from rlbus.weights.digest import matches
 from rlbus.explorer.lifeline import owning_engines
 
 log = structlog.get_logger()
@@ -41,10 +40,6 @@ def inline_core(core: str) -> bool:
     from vllm.platforms import current_platform
 
     return current_platform.is_cpu()
-
-
-class DigestMismatch(Exception):
-    """Published weights whose bytes do not match their digest: not loaded."""
 
 
 @dataclass(slots=True)
@@ -112,18 +107,20 @@ class Engine:
         self.generate([self.chat_prompt([{"role": "user", "content": "Hi"}])], n=2, max_tokens=4)
         log.info("engine_warmed_up", seconds=round(time.monotonic() - started, 2))
 
-    def receive_broadcast(self, announcement: dict, rank: int) -> dict:
-        """Receive the announced version by broadcast into the workers, check its digest, load it in place."""
+    def reload(self, source: dict, version: int) -> dict:
+        """Load the weights of a weight-sync source in place, in every worker (rlbus.weights.sync decides
+        which source; the workers turn it into tensors). Returns what the load measured."""
         started = time.monotonic()
         with self._lock:
-            result = self.llm.collective_rpc("rlbus_receive_broadcast", args=(announcement, rank))[0]
-            self.version = announcement["version"]
-        result = {k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}
+            info = self.llm.collective_rpc("rlbus_reload", args=(source,))[0]
+            self.version = version
         seconds = round(time.monotonic() - started, 3)
-        self.last_load = {"version": self.version, "method": "nccl", "seconds": seconds}
-        log.info("weights_loaded", policy_version=self.version, method="nccl", epoch=announcement["epoch"],
-                 seconds=seconds, **result)
-        return result
+        self.last_load = {"version": version, "method": source["method"], "seconds": seconds}
+        where = ({"epoch": source["announcement"]["epoch"]} if source["method"] == "nccl"
+                 else {"path": source.get("path")})
+        log.info("weights_loaded", policy_version=version, method=source["method"], seconds=seconds, **where,
+                 **{k: round(v, 3) if isinstance(v, float) else v for k, v in info.items()})
+        return info
 
     def close(self) -> None:
         """Stop vLLM's engine core (its process, when it has one: without this the interpreter waits for it
@@ -138,19 +135,3 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    def load_checkpoint(self, path: str, digest: str, version: int) -> float:
-        """Load published weights in place after checking their digest; returns seconds spent."""
-        started = time.monotonic()
-        if digest:
-            ok, actual = matches(path, digest)
-            if not ok:
-                raise DigestMismatch(f"weights at {path} have digest {actual}, the bus announced {digest}")
-        with self._lock:
-            counts = self.llm.collective_rpc("rlbus_load_checkpoint", args=(path,))
-            self.version = version
-        seconds = time.monotonic() - started
-        self.last_load = {"version": version, "method": "checkpoint", "seconds": round(seconds, 3)}
-        log.info("weights_loaded", policy_version=version, method="checkpoint", path=path, tensors=counts[0],
-                 seconds=round(seconds, 3))
-        return seconds

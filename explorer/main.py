@@ -31,10 +31,10 @@ from rlbus.common import protocol as P
 from rlbus.common.client import BrokerClient, BrokerUnreachable, default_name
 from rlbus.common.config import RunConfig
 from rlbus.common.logging import bind
-from rlbus.explorer.engine import DigestMismatch
 from rlbus.explorer.envs import make_env
 from rlbus.explorer.rollout import multi_turn, single_turn
 from rlbus.reward.base import from_config
+from rlbus.weights.sync import Receiver
 
 log = structlog.get_logger()
 
@@ -49,7 +49,7 @@ class Explorer:
         self.batches = 0
         self.client: BrokerClient | None = None
         self.evaluated: set[int] = set()
-        self.broadcast_failed: set[int] = set()
+        self.receiver = Receiver(self.name)
         self.started_at = time.time()
 
     def connect(self) -> dict[str, Any]:
@@ -98,32 +98,10 @@ class Explorer:
     # ---- weights ----------------------------------------------------------
 
     def _load_newest(self) -> None:
-        """Bring the engine to the newest published version: by broadcast as a member of its epoch, else from
-        the checkpoint (which a broadcast version also gets, once its broadcast is over)."""
-        state = self.client.weights
-        if not state or state["version"] <= self.engine.version:
-            return
-        ann = state.get("broadcast")
-        if ann and self.name in ann["ranks"] and ann["version"] not in self.broadcast_failed:
-            try:
-                self.engine.receive_broadcast(ann, ann["ranks"][self.name])
-            except Exception as exc:  # the trainer aborts the epoch; this version comes by checkpoint
-                self.broadcast_failed.add(ann["version"])
-                log.warning("broadcast_failed", policy_version=ann["version"], epoch=ann["epoch"],
-                            error=str(exc)[:300])
-            else:
-                self.client.policy_version = self.engine.version
-                bind(policy_version=self.engine.version)
-                return
-        if not state.get("location"):
-            return
-        try:
-            self.engine.load_checkpoint(state["location"], state["digest"], state["version"])
-        except (DigestMismatch, FileNotFoundError) as exc:
-            log.error("weights_load_failed", policy_version=state["version"], error=str(exc))
-            return
-        self.client.policy_version = self.engine.version
-        bind(policy_version=self.engine.version)
+        """Bring the engine to the newest published version (by whichever source the receiver picks)."""
+        if self.receiver.load(self.engine, self.client.weights):
+            self.client.policy_version = self.engine.version
+            bind(policy_version=self.engine.version)
 
     def _wait_for_version(self, need: int, retry_after: float) -> None:
         log.info("waiting_for_weights", policy_version=self.engine.version, need_version=need)

@@ -9,66 +9,22 @@ engine never restarts between policy versions.
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 
 class WeightSyncExtension:
     """Mixed into vLLM's worker; `self` is the worker."""
 
-    def rlbus_load_checkpoint(self, path: str) -> int:
-        """Load every tensor of the safetensors files under `path` in place; returns how many."""
-        from safetensors.torch import safe_open
+    def rlbus_reload(self, source: dict) -> dict:
+        """Load the weights of `source` (a weight-sync source: rlbus.weights.sync) in place; returns what the
+        source measured, and the reload's own seconds."""
+        from rlbus.weights.sync import open_source
 
-        files = sorted(Path(path).glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"no .safetensors files in {path}")
-        count = 0
-
-        def tensors():
-            nonlocal count
-            for file in files:
-                with safe_open(str(file), framework="pt") as f:
-                    for name in f.keys():
-                        count += 1
-                        yield name, f.get_tensor(name)
-
-        self.model_runner.reload_weights(weights_iterator=tensors(), is_checkpoint_format=True)
-        self._rlbus_refresh_tied_head()
-        return count
-
-    def rlbus_receive_broadcast(self, announcement: dict, rank: int) -> dict:
-        """Receive one version broadcast in the announced epoch and load it in place.
-
-        The worker keeps its place in the epoch (communicator and buckets)
-        between versions and builds a new one when the epoch changes. Nothing
-        is loaded unless every bucket arrived and the digest matches; on any
-        failure the place is dropped, so the next announcement starts clean.
-        """
-        from rlbus.weights.broadcast import Member
-
-        member = getattr(self, "_rlbus_member", None)
-        if member is not None and member.key != (announcement["address"], announcement["epoch"]):
-            member.close()
-            member = self._rlbus_member = None
+        tensors, info = open_source(source, self)
         started = time.monotonic()
-        try:
-            if member is None:
-                device = str(getattr(self, "device", "")) or None
-                member = self._rlbus_member = Member(dict(announcement, rank=rank),
-                                                     device=device if device and device.startswith("cuda") else None)
-            joined = time.monotonic()
-            seconds = member.receive(announcement["version"], announcement["digest"])
-        except Exception:
-            if member is not None:
-                member.close()
-            self._rlbus_member = None
-            raise
-        loaded = time.monotonic()
-        self.model_runner.reload_weights(weights_iterator=member.layout.views(member.buckets),
-                                         is_checkpoint_format=True)
+        self.model_runner.reload_weights(weights_iterator=tensors, is_checkpoint_format=True)
         self._rlbus_refresh_tied_head()
-        return dict(seconds, join_s=joined - started, reload_s=time.monotonic() - loaded,
-                    tensors=len(member.layout.entries))
+        info["reload_s"] = time.monotonic() - started
+        return info
 
     def _rlbus_refresh_tied_head(self) -> None:
         """Make a tied LM head follow the reloaded embedding.

@@ -94,8 +94,8 @@ def test_cuda_vllm_member_generates_with_broadcast_weights(broker_factory, clien
     from rlbus.explorer.main import Explorer
     from rlbus.weights.models import make_tiny, resolve_model
     from tests.explorer.test_explorer import explorer_config
-    from rlbus.trainer.broadcast import BroadcastPublisher
-    from rlbus.trainer.publish import CheckpointPublisher
+    from rlbus.weights.broadcaster import BroadcastSender
+    from rlbus.weights.checkpoint import CheckpointSender
 
     base = str(make_tiny(tmp_path / "tiny", resolve_model("smollm2-135m")))
     engine = Engine(base, dtype="bfloat16", memory_fraction=0.3)
@@ -103,7 +103,7 @@ def test_cuda_vllm_member_generates_with_broadcast_weights(broker_factory, clien
     trainer = clients(b, "trainer", "tr")
     cfg = load_config(None, ["sync.sync_method=nccl", "sync.broadcast_backend=nccl", "sync.sync_timeout_s=60"],
                       environ={})
-    pub = BroadcastPublisher(cfg, CheckpointPublisher(tmp_path / "weights", base, dtype=torch.bfloat16),
+    pub = BroadcastSender(cfg, CheckpointSender(tmp_path / "weights", base, dtype=torch.bfloat16),
                              dtype=torch.bfloat16, device="cuda:1")
     pub.attach(trainer)
     ex = Explorer(explorer_config(b, "sync.sync_style=async", "sync.broadcast_backend=nccl"), engine, name="gpu")

@@ -11,7 +11,7 @@ Step t (0-based) trains the policy of version t and produces version t + 1:
    and take one optimizer step over micro-batches with gradient
    accumulation. A batch with nothing left to train on still counts as the
    step (no update), so lockstep explorers are never left waiting.
-3. Every `sync_interval` steps publish the weights (trainer/publish.py).
+3. Every `sync_interval` steps publish the weights (a sender of rlbus.weights.sync).
 4. Every `checkpoint_every` steps save a training checkpoint and COMMIT the
    steps it covers; a restarted trainer resumes from it and the broker
    re-delivers the batches it had not committed.
@@ -42,13 +42,13 @@ from rlbus.trainer.algorithms import LossConfig, lr_factor, policy_loss
 from rlbus.trainer.batch import Batch, build_batch, decode_batch
 from rlbus.trainer.model import DTYPES, load_model, seed_everything, token_logprobs
 from rlbus.trainer.packing import packed_token_logprobs, pack, packs
-from rlbus.trainer.publish import CheckpointPublisher, Publisher
+from rlbus.weights.sync import Sender, make_sender
 
 log = structlog.get_logger()
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, model_path: str, publisher: Publisher | None = None):
+    def __init__(self, cfg: RunConfig, model_path: str, publisher: Sender | None = None):
         from transformers import AutoTokenizer
 
         self.cfg = cfg
@@ -77,14 +77,7 @@ class Trainer:
                                    a.kl_coef, a.kl_kind, a.aggregation)
         run_dir = Path(cfg.run.dir)
         self.ckpt_dir = run_dir / "checkpoints"
-        if publisher is None:
-            publisher = CheckpointPublisher(run_dir / "weights", model_path, dtype=DTYPES[cfg.rollout.dtype])
-            if cfg.sync.sync_method == "nccl":
-                from rlbus.trainer.broadcast import BroadcastPublisher
-
-                publisher = BroadcastPublisher(cfg, publisher, dtype=DTYPES[cfg.rollout.dtype],
-                                               device=t.device)
-        self.publisher = publisher
+        self.publisher = publisher or make_sender(cfg, run_dir / "weights", model_path, device=t.device)
         self.step = 0
         self.version = 0
         self.temperature = cfg.rollout.temperature or 1.0
@@ -311,8 +304,7 @@ class Trainer:
         if self.broker_version > self.version:
             log.warning("trainer_behind_broker", policy_version=self.version, announced_version=self.broker_version,
                         note="resumed from an older checkpoint; versions up to the announced one are not published")
-        if hasattr(self.publisher, "attach"):
-            self.publisher.attach(self.client)
+        self.publisher.attach(self.client)
         bind(peer=self.cfg.trainer.name, step=self.step, policy_version=self.version)
 
     def _stopped_without_broker(self, exc: BrokerUnreachable) -> None:
@@ -367,8 +359,7 @@ class Trainer:
                 self._stopped_without_broker(exc)
             finally:
                 self.client.close(bye=True)
-                if hasattr(self.publisher, "close"):
-                    self.publisher.close()
+                self.publisher.close()
         log.info("trainer_stopped", step=self.step, policy_version=self.version)
         return done
 

@@ -319,3 +319,32 @@ class Member:
 
     def close(self) -> None:
         self.comm.close()
+
+
+def receive_version(worker: Any, ann: dict[str, Any], rank: int, info: dict[str, Any]) -> Iterator[tuple[str, Any]]:
+    """Inside an engine worker: receive the announced version as rank `rank` of its epoch, check its digest,
+    and return its tensors (views of the received buckets).
+
+    The worker keeps its place in the epoch (`worker._rlbus_member`: communicator and buckets) between
+    versions and builds a new one when the epoch changes. Everything is received and checked before this
+    returns; on any failure the place is dropped, so the next announcement starts clean.
+    """
+    member = getattr(worker, "_rlbus_member", None)
+    if member is not None and member.key != (ann["address"], ann["epoch"]):
+        member.close()
+        member = worker._rlbus_member = None
+    started = time.monotonic()
+    try:
+        if member is None:
+            device = str(getattr(worker, "device", "")) or None
+            member = worker._rlbus_member = Member(dict(ann, rank=rank),
+                                                   device=device if device and device.startswith("cuda") else None)
+        joined = time.monotonic()
+        info.update(member.receive(ann["version"], ann["digest"]))
+    except Exception:
+        if member is not None:
+            member.close()
+        worker._rlbus_member = None
+        raise
+    info.update(join_s=joined - started, tensors=len(member.layout.entries))
+    return iter(member.layout.views(member.buckets))

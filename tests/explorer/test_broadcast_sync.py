@@ -16,18 +16,19 @@ import torch
 from rlbus.common import protocol as P
 from rlbus.common.config import load_config
 from rlbus.weights.digest import weights_digest
+from rlbus.weights.sync import load_checkpoint
 from rlbus.explorer.main import Explorer
 from tests.conftest import REPO
 from tests.explorer.test_explorer import explorer_config
 
 
 def publisher(tmp_path: Path, base_model: str, timeout_s: float):
-    from rlbus.trainer.broadcast import BroadcastPublisher
-    from rlbus.trainer.publish import CheckpointPublisher
+    from rlbus.weights.broadcaster import BroadcastSender
+    from rlbus.weights.checkpoint import CheckpointSender
 
     cfg = load_config(None, ["sync.sync_method=nccl", "sync.broadcast_backend=gloo", f"sync.sync_timeout_s={timeout_s}",
                              "sync.bucket_mb=4"], environ={})
-    return BroadcastPublisher(cfg, CheckpointPublisher(tmp_path / "weights", base_model, dtype=torch.float32),
+    return BroadcastSender(cfg, CheckpointSender(tmp_path / "weights", base_model, dtype=torch.float32),
                               dtype=torch.float32)
 
 
@@ -72,7 +73,7 @@ def tear_down(ex: Explorer, thread: threading.Thread | None, proc: subprocess.Po
         pass
     proc.wait(10)
     pub.close()
-    engine.load_checkpoint(tiny_model, weights_digest(tiny_model), 0)
+    load_checkpoint(engine, tiny_model, weights_digest(tiny_model), 0)
 
 
 def test_mixed_fleet_late_joiner_gets_the_checkpoint_then_the_broadcast(broker_factory, clients, engine, tiny_model,

@@ -13,6 +13,7 @@ from rlbus.common import protocol as P
 from rlbus.common.config import load_config
 from rlbus.common.trajectory import decode_payload
 from rlbus.weights.digest import weights_digest
+from rlbus.weights.sync import load_checkpoint
 from rlbus.explorer.main import Explorer
 
 
@@ -96,7 +97,7 @@ def test_new_checkpoint_is_loaded_and_trajectories_carry_its_version(broker_fact
         want = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0, len(prompt):].tolist()
         assert got == want[:len(got)]
     finally:
-        engine.load_checkpoint(tiny_model, weights_digest(tiny_model), 0)  # leave the shared engine as found
+        load_checkpoint(engine, tiny_model, weights_digest(tiny_model), 0)  # leave the shared engine as found
 
 
 def test_lockstep_explorer_waits_for_the_version_it_needs(broker_factory, clients, engine, tiny_model, tmp_path):
@@ -126,7 +127,7 @@ def test_lockstep_explorer_waits_for_the_version_it_needs(broker_factory, client
     finally:
         ex.stop()
         thread.join(10)
-        engine.load_checkpoint(tiny_model, weights_digest(tiny_model), 0)
+        load_checkpoint(engine, tiny_model, weights_digest(tiny_model), 0)
 
 
 def test_trajectory_metadata_passes_the_broker_schema(engine):

@@ -12,6 +12,7 @@ from structlog.testing import capture_logs
 from rlbus.common import protocol as P
 from rlbus.common.config import load_config
 from rlbus.common.trajectory import encode_payload
+from rlbus.weights.sync import load_checkpoint
 
 LOGP = -math.log(49152)  # about what a random tiny model assigns: importance weights near 1
 
@@ -79,7 +80,7 @@ def test_trainer_steps_publish_and_published_weights_match_in_transformers_and_v
     assert torch.allclose(mine, theirs, atol=1e-5)
     from rlbus.weights.digest import weights_digest
 
-    engine.load_checkpoint(str(weights), weights_digest(weights), 2)
+    load_checkpoint(engine, str(weights), weights_digest(weights), 2)
     try:
         sample = engine.generate([ids[0].tolist()], n=1, max_tokens=6)[0][0]
         full = torch.tensor([ids[0].tolist() + sample.token_ids])
@@ -88,7 +89,7 @@ def test_trainer_steps_publish_and_published_weights_match_in_transformers_and_v
         want = ref[0, ids.shape[1] - 1:]
         assert torch.allclose(want, torch.tensor(sample.logprobs), atol=2e-3), (want, sample.logprobs)
     finally:
-        engine.load_checkpoint(tiny_model, weights_digest(tiny_model), 0)
+        load_checkpoint(engine, tiny_model, weights_digest(tiny_model), 0)
 
 
 def test_stale_trajectories_are_never_trained_on(broker_factory, clients, tiny_model, tmp_path):

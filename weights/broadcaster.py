@@ -1,4 +1,4 @@
-"""The trainer's side of `sync_method: nccl`: broadcast each version to the epoch's members.
+"""Weight sync by broadcast (`sync_method: nccl`), the sender: each version to the epoch's members.
 
 For every published version, on the trainer's publishing thread:
 
@@ -33,13 +33,15 @@ from rlbus.common import protocol as P
 from rlbus.common.config import RunConfig
 from rlbus.weights.broadcast import (BroadcastError, Layout, bucket_digest, epoch_store, make_comm,
                                       resolve_backend, serve_store, unavailable, unique_tensors)
-from rlbus.trainer.publish import CheckpointPublisher
+from rlbus.weights.checkpoint import CheckpointSender
 
 log = structlog.get_logger()
 
 
-class BroadcastPublisher:
-    def __init__(self, cfg: RunConfig, checkpoint: CheckpointPublisher, dtype=None, device: str = "cpu"):
+class BroadcastSender:
+    method = "nccl"
+
+    def __init__(self, cfg: RunConfig, checkpoint: CheckpointSender, dtype=None, device: str = "cpu"):
         s = cfg.sync
         self.checkpoint = checkpoint
         self.dtype = dtype

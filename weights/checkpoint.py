@@ -1,14 +1,13 @@
-"""Publishing weights to explorers, behind one small interface.
+"""Weight sync by checkpoint: the sender writes `weights/v{version}/`, receivers read it by path.
 
-`Publisher.snapshot(model)` copies the weights (one memory copy, in the
-explorers' dtype) so training can go on; `Publisher.publish(snapshot,
-version, step)`, run on the trainer's publishing thread, makes them available
-and returns the weight state that goes into PUBLISH (version, method,
-location, digest, step). `CheckpointPublisher` writes `weights/v{version}/`
-(safetensors, config, tokenizer, chat template) into a temporary directory,
-fsyncs it, computes the digest, and renames it into place atomically, so an
-explorer never sees half a checkpoint. The broadcast publisher plugs in
-beside it.
+`CheckpointSender.snapshot(model)` copies the weights (one memory copy, in
+the explorers' dtype) so training can go on; `publish(snapshot, version,
+step)`, run on the trainer's publishing thread, writes safetensors, config,
+tokenizer and chat template into a temporary directory, fsyncs it, computes
+the digest, and renames it into place atomically, so an explorer never sees
+half a checkpoint. It returns the weight state that goes into PUBLISH
+(version, method, location, digest, step). `checkpoint_tensors` is the
+receiving side: it runs inside the engine's workers.
 """
 
 from __future__ import annotations
@@ -16,17 +15,12 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Iterator
 
 from rlbus.weights.digest import weights_digest
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                     "generation_config.json", "vocab.json", "merges.txt")
-
-
-class Publisher(Protocol):
-    def snapshot(self, model) -> Any: ...
-    def publish(self, snapshot: Any, version: int, step: int) -> dict[str, Any]: ...
 
 
 def _fsync_dir(path: Path) -> None:
@@ -45,13 +39,21 @@ def _fsync_tree(path: Path) -> None:
     _fsync_dir(path)
 
 
-class CheckpointPublisher:
+class CheckpointSender:
+    method = "checkpoint"
+
     def __init__(self, weights_dir: str | Path, base_model_dir: str | Path, keep: int = 3, dtype=None):
         self.dir = Path(weights_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.base = Path(base_model_dir)
         self.keep = keep
         self.dtype = dtype  # the explorers' dtype: half the bytes of float32 for bfloat16, no cast on load
+
+    def attach(self, client) -> None:
+        """Files need no broker connection."""
+
+    def close(self) -> None:
+        """Nothing to release."""
 
     def snapshot(self, model) -> tuple[Any, dict[str, Any]]:
         """The model and a copy of its weights, taken now (training may change them meanwhile)."""
@@ -89,3 +91,18 @@ class CheckpointPublisher:
         for path in self.dir.glob("v*"):
             if path.name[1:].isdigit() and int(path.name[1:]) <= newest - self.keep:
                 shutil.rmtree(path, ignore_errors=True)
+
+
+def checkpoint_tensors(path: str | Path, info: dict[str, Any]) -> Iterator[tuple[str, Any]]:
+    """Every tensor of the safetensors files under `path`, by name (counted in `info["tensors"]`)."""
+    from safetensors.torch import safe_open
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors files in {path}")
+    info["tensors"] = 0
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                info["tensors"] += 1
+                yield name, f.get_tensor(name)
