@@ -31,6 +31,7 @@ from rlbus.broker.buffer import Buffer
 from rlbus.broker.store import Store
 from rlbus.broker.tasks import TaskQueue, refusal
 from rlbus.common import protocol as P
+from rlbus.common.messages import Rollout, fields
 from rlbus.common.config import RunConfig
 from rlbus.common.curve import load_server_auth
 from rlbus.common.tasksets import make_taskset
@@ -38,6 +39,7 @@ from rlbus.common.tasksets import make_taskset
 log = structlog.get_logger()
 
 _WHO = {"explorer": "explorers", "trainer": "the trainer", "reward": "reward workers"}
+ROLLOUT_FIELDS = fields(Rollout)
 
 PUT_DRAIN = 256  # messages taken off the socket before one group commit
 
@@ -242,7 +244,7 @@ class Broker:
                            f"left or expired (in {wait:.1f} s)"})
         differs = [f"rollout.{k}: this peer has {v!r}, the run {getattr(self.cfg.rollout, k)!r}"
                    for k, v in h.get("rollout", {}).items()
-                   if k in P.ROLLOUT_SCHEMA and v != getattr(self.cfg.rollout, k)]
+                   if k in ROLLOUT_FIELDS and v != getattr(self.cfg.rollout, k)]
         if differs:  # it would sample differently from what the trainer's importance weights assume
             return self.reply(identity, msg, P.ERROR, {
                 "code": "conflict", "message": f"{'; '.join(differs)}: start it with the run's rollout settings, "

@@ -9,12 +9,16 @@ broker stores without decoding.
 
 from __future__ import annotations
 
-import math
 import reprlib
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
+import msgspec
+from msgspec import Struct
+
+from rlbus.common import messages
+from rlbus.common.messages import MAX_ID_CHARS, MAX_INT  # noqa: F401  (part of this module's API)
 
 PROTOCOL = b"rlbus/1"
 
@@ -54,9 +58,7 @@ TOPIC_WEIGHTS = b"weights"
 # Limits that do not depend on configuration.
 MAX_HEADER_BYTES = 1 << 20
 MAX_FRAMES = 4096
-MAX_ID_CHARS = 128
 MAX_DEPTH = 16  # maps and lists inside a header; what the broker stores it re-emits a few levels deeper
-MAX_INT = (1 << 53) - 1  # integers are unsigned and exact in a double, in JSON and in SQLite
 # Replies (a BATCH of many groups) may be larger than a request header.
 MAX_REPLY_HEADER_BYTES = 256 << 20
 
@@ -149,149 +151,33 @@ def decode(frames: list[bytes], max_message_bytes: int | None = None,
 
 # ---- field checks ---------------------------------------------------------
 
-_TYPES: dict[str, tuple[type, ...]] = {
-    "str": (str,),
-    "int": (int,),
-    "float": (int, float),
-    "bool": (bool,),
-    "map": (dict,),
-    "list": (list,),
-}
 
-# command -> {field: (type name, required)}
-SCHEMAS: dict[str, dict[str, tuple[str, bool]]] = {
-    HELLO: {"req": ("int", False), "role": ("str", True), "name": ("str", True), "pid": ("int", False),
-            "host": ("str", False), "policy_version": ("int", False), "capabilities": ("map", False),
-            "session": ("str", False), "rollout": ("map", False)},
-    HEARTBEAT: {"policy_version": ("int", False)},
-    BYE: {"req": ("int", False)},
-    LEASE: {"req": ("int", False), "max_tasks": ("int", True), "policy_version": ("int", True)},
-    PUT: {"req": ("int", False), "trajectories": ("list", True)},
-    FETCH: {"req": ("int", False), "step": ("int", True), "max_groups": ("int", True), "min_groups": ("int", False),
-            "batch_index": ("int", False), "skip_zero_spread": ("bool", False), "wait_ms": ("int", False)},
-    COMMIT: {"req": ("int", False), "step": ("int", True)},
-    PUBLISH: {"req": ("int", False), "version": ("int", True), "method": ("str", True), "location": ("str", True),
-              "digest": ("str", True), "step": ("int", False), "broadcast": ("map", False)},
-    STATUS: {"req": ("int", False)},
-    EVAL: {"req": ("int", False), "service": ("str", True), "items": ("list", True)},
-    RESULT: {"job": ("int", True), "results": ("list", True)},
-}
-
-# Maps inside requests whose fields the broker reads or passes on to other peers.
-BROADCAST_SCHEMA: dict[str, tuple[str, bool]] = {
-    "epoch": ("int", True), "backend": ("str", True), "address": ("str", True), "world": ("int", True),
-    "ranks": ("map", True), "version": ("int", True), "digest": ("str", True), "timeout_s": ("float", True),
-}
-EVAL_ITEM_SCHEMA: dict[str, tuple[str, bool]] = {"task": ("map", False), "text": ("str", True),
-                                                 "token_ids": ("list", False)}
-# The run-wide sampling contract: WELCOME carries all of it; an explorer's HELLO may carry the fields it was
-# given, and the broker refuses it if one differs from the run's.
-ROLLOUT_SCHEMA: dict[str, tuple[str, bool]] = {
-    "temperature": ("float", False), "top_p": ("float", False), "max_tokens": ("int", False),
-    "dtype": ("str", False), "repeat": ("int", False), "seed": ("int", False),
-}
-# HELLO capabilities the broker reads; any other key is kept as it came (within MAX_DEPTH).
-CAPABILITY_LISTS = ("services", "sync_methods", "broadcast_backends")
-
-TRAJECTORY_SCHEMA: dict[str, tuple[str, bool]] = {
-    "id": ("str", True), "group_id": ("str", True), "task_id": ("str", True), "group_size": ("int", True),
-    "batch_index": ("int", True), "policy_version": ("int", True), "reward": ("float", True),
-    "n_tokens": ("int", True), "payload_bytes": ("int", True), "info": ("map", False),
-}
-
-
-def _check_fields(where: str, data: dict, schema: dict[str, tuple[str, bool]]) -> None:
-    """Type and range of every field in `schema`. A field may be left out when optional; nil is never
-    a value (it is a type error, not "absent"), so what the broker stores it can always re-emit."""
-    for name, (kind, required) in schema.items():
-        if name not in data:
-            if required:
-                raise ProtocolError("bad_field", f"{where}: field {name!r} is required ({kind})")
-            continue
-        value = data[name]
-        # bool is a subclass of int: keep the two apart.
-        if not isinstance(value, _TYPES[kind]) or (kind in ("int", "float") and isinstance(value, bool)):
-            got = "nil" if value is None else f"{type(value).__name__} {brief(value)}"
-            raise ProtocolError("bad_field", f"{where}: field {name!r} must be {kind}, got {got}"
-                                + ("; leave the field out instead of sending nil" if value is None else ""))
-        if kind == "int" and not 0 <= value <= MAX_INT:
-            raise ProtocolError("bad_field", f"{where}: field {name!r} must be between 0 and 2^53 - 1, "
-                                             f"got {brief(value)}")
-        if kind == "float" and not math.isfinite(value):
-            raise ProtocolError("bad_field", f"{where}: field {name!r} must be finite, got {value}")
-        if kind == "str" and len(value) > MAX_ID_CHARS and name in ("id", "group_id", "task_id", "name"):
-            raise ProtocolError("bad_field", f"{where}: field {name!r} is longer than {MAX_ID_CHARS} characters")
-
-
-def _trajectory_ok(m: Any) -> bool:
-    """Fast check of one PUT entry against TRAJECTORY_SCHEMA (the hot path of the broker)."""
-    if type(m) is not dict:
-        return False
-    i, g, t, r = m.get("id"), m.get("group_id"), m.get("task_id"), m.get("reward")
-    info = m.get("info")
-    return (type(i) is str and len(i) <= MAX_ID_CHARS and type(g) is str and len(g) <= MAX_ID_CHARS
-            and type(t) is str and len(t) <= MAX_ID_CHARS
-            and type(m.get("group_size")) is int and 1 <= m["group_size"] <= MAX_INT
-            and type(m.get("batch_index")) is int and 0 <= m["batch_index"] <= MAX_INT
-            and type(m.get("policy_version")) is int and 0 <= m["policy_version"] <= MAX_INT
-            and type(m.get("n_tokens")) is int and 0 <= m["n_tokens"] <= MAX_INT
-            and type(m.get("payload_bytes")) is int and 0 <= m["payload_bytes"] <= MAX_INT
-            and type(r) in (float, int) and math.isfinite(r)
-            and ("info" not in m or type(info) is dict))
-
-
-def validate(msg: Message) -> None:
-    """Check a request's fields against its schema; raise ProtocolError if wrong."""
-    schema = SCHEMAS.get(msg.command)
-    if schema is None:
-        raise ProtocolError("unknown_command", f"unknown command {brief(msg.command)}; known: {', '.join(sorted(SCHEMAS))}")
-    _check_fields(msg.command, msg.header, schema)
-    if msg.command == HELLO:
-        _check_hello(msg.header)
-    elif msg.command == PUBLISH and "broadcast" in msg.header:
-        _check_broadcast(msg.header["broadcast"])
-    elif msg.command == EVAL:
-        for i, item in enumerate(msg.header["items"]):
-            if type(item) is not dict:
-                raise ProtocolError("bad_field", f"EVAL: items[{i}] must be a map")
-            _check_fields(f"EVAL items[{i}]", item, EVAL_ITEM_SCHEMA)
+def validate(msg: Message) -> Struct:
+    """Check a request's header against its type (rlbus.common.messages); returns the typed header, or
+    raises ProtocolError `bad_field` naming the field, or `unknown_command`."""
+    if msg.command not in messages.HEADERS:
+        raise ProtocolError("unknown_command", f"unknown command {brief(msg.command)}; "
+                                               f"known: {', '.join(sorted(messages.HEADERS))}")
+    try:
+        typed = messages.check(msg.command, msg.header)
+    except msgspec.ValidationError as exc:
+        text = str(exc).replace("`float` >= -1.7976931348623157e+308", "a finite `float`")
+        if "got `null`" in text:
+            text += "; leave the field out instead of sending nil"
+        raise ProtocolError("bad_field", f"{msg.command}: {text[:300]}") from None
     if msg.command == PUT:
-        trajectories = msg.header["trajectories"]
         if len(msg.payloads) != 1:
             raise ProtocolError("bad_field", f"PUT carries exactly one payload frame, got {len(msg.payloads)}")
-        for i, meta in enumerate(trajectories):
-            if not _trajectory_ok(meta):
-                # Slow path only to say precisely what is wrong.
-                if not isinstance(meta, dict):
-                    raise ProtocolError("bad_field", f"PUT: trajectories[{i}] must be a map")
-                _check_fields(f"PUT trajectories[{i}]", meta, TRAJECTORY_SCHEMA)
-                raise ProtocolError("bad_field", f"PUT trajectories[{i}]: group_size must be >= 1")
-        total = sum(m["payload_bytes"] for m in trajectories)
+        total = sum(t.payload_bytes for t in typed.trajectories)
         if total != len(msg.payloads[0]):
             raise ProtocolError("bad_field", f"PUT: payload_bytes add up to {total} but the payload frame "
                                              f"has {len(msg.payloads[0])} bytes")
-    elif msg.header.get("max_tasks") == 0 or msg.header.get("max_groups") == 0:
-        raise ProtocolError("bad_field", f"{msg.command}: asking for zero items")
-
-
-def _check_hello(h: dict[str, Any]) -> None:
-    if h["role"] not in ROLES:
-        raise ProtocolError("bad_field", f"HELLO: role {brief(h['role'])} is not one of {sorted(ROLES)}")
-    if "rollout" in h:
-        _check_fields("HELLO rollout", h["rollout"], ROLLOUT_SCHEMA)
-    for key in CAPABILITY_LISTS:
-        value = h.get("capabilities", {}).get(key, [])
-        if type(value) is not list or not all(type(v) is str and len(v) <= MAX_ID_CHARS for v in value):
-            raise ProtocolError("bad_field", f"HELLO: capabilities.{key} must be a list of names "
-                                             f"(strings of at most {MAX_ID_CHARS} characters), got {brief(value)}")
-
-
-def _check_broadcast(b: dict[str, Any]) -> None:
-    _check_fields("PUBLISH broadcast", b, BROADCAST_SCHEMA)
-    ranks = b["ranks"]
-    if not all(type(r) is int and not isinstance(r, bool) and 1 <= r < b["world"] for r in ranks.values()):
-        raise ProtocolError("bad_field", f"PUBLISH broadcast: ranks must map explorer names to ranks "
-                                         f"1..world-1, got {brief(ranks)}")
+    elif msg.command == PUBLISH and typed.broadcast is not msgspec.UNSET:
+        b = typed.broadcast
+        if not all(1 <= r < b.world for r in b.ranks.values()):
+            raise ProtocolError("bad_field", f"PUBLISH broadcast: ranks must map explorer names to ranks "
+                                             f"1..world-1, got {brief(b.ranks)}")
+    return typed
 
 
 def join_payloads(metas: list[dict[str, Any]], payloads: list[bytes]) -> bytes:

@@ -13,8 +13,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import msgspec
 import numpy as np
 
+from rlbus.common.messages import Trajectory
 from rlbus.common.trajectory import encode_payload
 from rlbus.reward.base import Response, evaluate
 
@@ -35,19 +37,20 @@ def build_trajectory(lease: dict[str, Any], index: int, repeat: int, version: in
     if not (len(response_ids) == len(logprobs) == len(loss_mask)):
         raise ValueError(f"response ids, logprobs and loss mask differ in length: "
                          f"{len(response_ids)}, {len(logprobs)}, {len(loss_mask)}")
-    meta = {"id": f"{lease['lease_id']}.{index}", "group_id": lease["lease_id"], "task_id": lease["task_id"],
-            "group_size": repeat, "batch_index": lease["batch_index"], "policy_version": version,
-            "reward": result.score, "n_tokens": len(response_ids), "info": {"finish_reason": finish_reason}}
+    tid = f"{lease['lease_id']}.{index}"
     payload = encode_payload(
         {"prompt_ids": np.asarray(prompt_ids, dtype=np.int32),
          "response_ids": np.asarray(response_ids, dtype=np.int32),
          "logprobs": np.asarray(logprobs, dtype=np.float32),
          "loss_mask": np.asarray(loss_mask, dtype=np.uint8)},
-        {"id": meta["id"], "task_id": lease["task_id"], "group_id": lease["lease_id"], "explorer": explorer,
+        {"id": tid, "task_id": lease["task_id"], "group_id": lease["lease_id"], "explorer": explorer,
          "policy_version": version, "reward": result.score, "reward_details": result.details,
          "reward_reason": result.reason, "finish_reason": finish_reason, "text": text, "timings": timings,
          **({"sampling": sampling} if sampling else {})})
-    return meta, payload
+    meta = Trajectory(id=tid, group_id=lease["lease_id"], task_id=lease["task_id"], group_size=repeat,
+                      batch_index=lease["batch_index"], policy_version=version, reward=result.score,
+                      n_tokens=len(response_ids), payload_bytes=len(payload), info={"finish_reason": finish_reason})
+    return msgspec.to_builtins(meta), payload
 
 
 def single_turn(engine, leases: list[dict[str, Any]], *, repeat: int, temperature: float, top_p: float,

@@ -10,15 +10,16 @@ the estimator is group-relative.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import numpy as np
 import structlog
 import torch
 
 from rlbus.common import protocol as P
+from rlbus.common.messages import Trajectory
 from rlbus.common.trajectory import decode_payload
 from rlbus.trainer.algorithms import advantages, group_relative, zero_spread_groups
 
@@ -93,22 +94,23 @@ def decode_batch(reply: P.Message, vocab_size: int, temperature: float | None = 
     samples, rejected = [], {}
     for meta, frame in zip(metas, P.split_payloads(metas, reply.payloads)):
         try:
+            traj = msgspec.convert(meta, Trajectory, strict=True)
             body = decode_payload(bytes(frame))
+        except msgspec.ValidationError as exc:  # a broker of this protocol stores none such: say so, go on
+            reason = f"metadata: {exc}"
         except Exception as exc:  # a payload that does not decode is one bad trajectory, not a dead trainer
             reason = f"payload does not decode: {exc}"
         else:
             reason = check(body, vocab_size)
-        if reason is None and not math.isfinite(meta["reward"]):
-            reason = "non-finite reward"
         sampling = body.get("sampling") if reason is None else None
         sampled = sampling.get("temperature") if isinstance(sampling, dict) else None
         if temperature is not None and isinstance(sampled, (int, float)) and abs(sampled - temperature) > 1e-6:
             reason = f"sampled at temperature {sampled}, the trainer assumes {temperature} (rollout.temperature)"
         if reason is not None:
             rejected[reason] = rejected.get(reason, 0) + 1
-            log.warning("trajectory_rejected", trajectory=meta["id"], reason=reason, explorer=meta.get("explorer"))
+            log.warning("trajectory_rejected", trajectory=meta.get("id"), reason=reason, explorer=meta.get("explorer"))
             continue
-        samples.append(Sample(meta["id"], group_of[meta["id"]], float(meta["reward"]), meta["policy_version"],
+        samples.append(Sample(traj.id, group_of[traj.id], traj.reward, traj.policy_version,
                               body["prompt_ids"], body["response_ids"], body["logprobs"], body["loss_mask"]))
     return samples, rejected
 

@@ -16,11 +16,11 @@ import zmq
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 
-from rlbus.common import protocol as P  # noqa: E402
+from rlbus.common import messages as M, protocol as P  # noqa: E402
 from tests.conftest import group  # noqa: E402
 
-FIELDS = sorted({f for schema in P.SCHEMAS.values() for f in schema} | set(P.TRAJECTORY_SCHEMA)
-                | set(P.BROADCAST_SCHEMA) | {"services", "session", "junk"})
+FIELDS = sorted({f for struct in (*M.HEADERS.values(), M.Trajectory, M.Broadcast, M.Rollout, M.Capabilities)
+                 for f in M.fields(struct)} | {"junk"})
 # "§" never appears in fuzzed text, so fuzzed PUTs cannot join the good explorer's groups.
 TEXT = st.text(alphabet=st.characters(blacklist_characters="§", blacklist_categories=("Cs",)), max_size=12)
 SCALARS = (st.none() | st.booleans() | st.integers(min_value=-(1 << 64), max_value=(1 << 64) - 1)
@@ -41,7 +41,7 @@ HEADERS = st.one_of(
     st.dictionaries(st.sampled_from(FIELDS), VALUES, max_size=8),
     st.builds(lambda d: {"req": 1, "info": deep(d), "capabilities": deep(d)}, st.integers(1, 1100)),
 )
-COMMANDS = st.sampled_from(sorted(P.SCHEMAS) + ["WELCOME", "EXPLODE", "hello", "PUT "])
+COMMANDS = st.sampled_from(sorted(M.HEADERS) + ["WELCOME", "EXPLODE", "hello", "PUT "])
 
 
 @st.composite
@@ -52,7 +52,7 @@ def messages(draw) -> list[bytes]:
         header["role"] = "tool"  # a fuzzing trainer could take batches; everything else may be hostile
     if command == "PUT" and draw(st.booleans()):
         meta, payload = group(draw(TEXT), size=draw(st.integers(1, 3)))[0]
-        meta.update({k: v for k, v in header.items() if k in P.TRAJECTORY_SCHEMA and draw(st.booleans())})
+        meta.update({k: v for k, v in header.items() if k in M.fields(M.Trajectory) and draw(st.booleans())})
         header = {"req": 1, "trajectories": [meta]}
         payloads = [payload[:draw(st.integers(0, len(payload)))]]
         if draw(st.booleans()):

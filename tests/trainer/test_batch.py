@@ -30,3 +30,13 @@ def test_a_trajectory_sampled_at_another_temperature_is_left_out():
     assert list(rejected.values()) == [1] and "temperature 1.0" in next(iter(rejected))
     samples, rejected = decode_batch(reply, vocab_size=10)  # no temperature to check against
     assert len(samples) == 3 and not rejected
+
+
+def test_metadata_that_breaks_the_trajectory_type_is_left_out_not_fatal():
+    items = [trajectory("a", None), trajectory("b", None)]
+    items[1][0]["reward"] = float("nan")
+    metas = [m for m, _ in items]
+    frame = P.join_payloads(metas, [p for _, p in items])
+    reply = P.Message(P.BATCH, {"groups": [{"group_id": "g", "batch_index": 0, "trajectories": metas}]}, [frame])
+    samples, rejected = decode_batch(reply, vocab_size=10)
+    assert [s.id for s in samples] == ["a"] and "reward" in next(iter(rejected))

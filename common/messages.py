@@ -1,0 +1,152 @@
+"""The typed form of every request header, and the one trajectory type, as msgspec Structs.
+
+docs/protocol.md gives the fields; these types are their executable form.
+`protocol.validate` checks a decoded header against its Struct in one C pass
+(types, ranges, lengths, required fields): a value of the wrong type, a
+negative or too large integer, a float that is not finite, nil where a value
+belongs, an over-long id. Fields a Struct does not name are allowed and kept
+as they came (the broker stores and re-emits headers as maps). The explorer
+builds its trajectory metadata from `Trajectory`, the broker validates PUTs
+against it, and the trainer reads BATCH metadata through it.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import UNSET, Meta, Struct, UnsetType
+
+MAX_ID_CHARS = 128
+MAX_INT = (1 << 53) - 1  # integers are unsigned and exact in a double, in JSON and in SQLite
+
+Int = Annotated[int, Meta(ge=0, le=MAX_INT)]
+Count = Annotated[int, Meta(ge=1, le=MAX_INT)]
+# Finite: NaN fails every comparison and the infinities lie outside.
+Float = Annotated[float, Meta(ge=-1.7976931348623157e308, le=1.7976931348623157e308)]
+Id = Annotated[str, Meta(max_length=MAX_ID_CHARS)]
+Names = list[Id]
+
+
+class Header(Struct, forbid_unknown_fields=False, kw_only=True):
+    req: Int | UnsetType = UNSET
+
+
+class Capabilities(Struct, forbid_unknown_fields=False):
+    services: Names | UnsetType = UNSET
+    sync_methods: Names | UnsetType = UNSET
+    broadcast_backends: Names | UnsetType = UNSET
+
+
+class Rollout(Struct, forbid_unknown_fields=False):
+    """The run-wide sampling settings (config section `rollout`); a HELLO may carry any of them."""
+
+    temperature: Float | UnsetType = UNSET
+    top_p: Float | UnsetType = UNSET
+    max_tokens: Int | UnsetType = UNSET
+    dtype: str | UnsetType = UNSET
+    repeat: Int | UnsetType = UNSET
+    seed: Int | UnsetType = UNSET
+
+
+class Hello(Header):
+    role: Literal["explorer", "trainer", "reward", "tool"]
+    name: Id
+    pid: Int | UnsetType = UNSET
+    host: str | UnsetType = UNSET
+    session: str | UnsetType = UNSET
+    policy_version: Int | UnsetType = UNSET
+    capabilities: Capabilities | UnsetType = UNSET
+    rollout: Rollout | UnsetType = UNSET
+
+
+class Heartbeat(Struct, forbid_unknown_fields=False):
+    policy_version: Int | UnsetType = UNSET
+
+
+class Lease(Header):
+    max_tasks: Count
+    policy_version: Int
+
+
+class Trajectory(Struct, forbid_unknown_fields=False):
+    """One trajectory's metadata (its payload is a frame of its own; see docs/protocol.md)."""
+
+    id: Id
+    group_id: Id
+    task_id: Id
+    group_size: Count
+    batch_index: Int
+    policy_version: Int
+    reward: Float
+    n_tokens: Int
+    payload_bytes: Int
+    info: dict[str, Any] | UnsetType = UNSET
+
+
+class Put(Header):
+    trajectories: list[Trajectory]
+
+
+class Fetch(Header):
+    step: Int
+    max_groups: Count
+    min_groups: Int | UnsetType = UNSET
+    batch_index: Int | UnsetType = UNSET
+    skip_zero_spread: bool | UnsetType = UNSET
+    wait_ms: Int | UnsetType = UNSET
+
+
+class Commit(Header):
+    step: Int
+
+
+class Broadcast(Struct, forbid_unknown_fields=False):
+    epoch: Int
+    backend: str
+    address: str
+    world: Int
+    ranks: dict[Id, Int]
+    version: Int
+    digest: str
+    timeout_s: Float
+
+
+class Publish(Header):
+    version: Int
+    method: str
+    location: str
+    digest: str
+    step: Int | UnsetType = UNSET
+    broadcast: Broadcast | UnsetType = UNSET
+
+
+class EvalItem(Struct, forbid_unknown_fields=False):
+    text: str
+    task: dict[str, Any] | UnsetType = UNSET
+    token_ids: list[Any] | UnsetType = UNSET
+
+
+class Eval(Header):
+    service: str
+    items: list[EvalItem]
+
+
+class Result(Struct, forbid_unknown_fields=False):
+    job: Int
+    results: list[Any]
+
+
+HEADERS: dict[str, type[Struct]] = {
+    "HELLO": Hello, "HEARTBEAT": Heartbeat, "BYE": Header, "LEASE": Lease, "PUT": Put, "FETCH": Fetch,
+    "COMMIT": Commit, "PUBLISH": Publish, "STATUS": Header, "EVAL": Eval, "RESULT": Result,
+}
+
+
+def fields(struct: type[Struct]) -> tuple[str, ...]:
+    return struct.__struct_fields__
+
+
+def check(command: str, header: dict[str, Any]) -> Struct:
+    """The header as its Struct; raises msgspec.ValidationError naming the field (`$.trajectories[3].reward`)."""
+    return msgspec.convert(header, HEADERS[command], strict=True)
