@@ -27,7 +27,7 @@ from typing import Any
 
 import structlog
 
-from rlbus.common import protocol as P
+from rlbus.common import metrics, protocol as P
 from rlbus.common.client import BrokerClient, BrokerUnreachable, default_name
 from rlbus.common.config import RunConfig
 from rlbus.common.logging import bind
@@ -137,8 +137,8 @@ class Explorer:
         scores = [self.reward_fn(t, Response(o[0].text, o[0].token_ids)).score for t, o in zip(tasks, outs)]
         accuracy = sum(1 for s in scores if s >= 1.0) / len(scores)
         self.evaluated.add(version)
-        log.info("eval", policy_version=version, accuracy=round(accuracy, 4), problems=len(tasks),
-                 elapsed_s=round(time.time() - self.started_at, 1), seconds=round(time.monotonic() - started, 2))
+        metrics.emit("eval", policy_version=version, accuracy=round(accuracy, 4), problems=len(tasks),
+                     elapsed_s=round(time.time() - self.started_at, 1), seconds=round(time.monotonic() - started, 2))
         return accuracy
 
     # ---- the loop ---------------------------------------------------------
@@ -183,10 +183,10 @@ class Explorer:
                 self.batches += 1
                 rewards = [m["reward"] for m, _ in items]
                 tokens = sum(m["n_tokens"] for m, _ in items)
-                log.info("explorer_batch", batch_index=leases[0]["batch_index"], tasks=len(leases),
-                         samples=len(items), policy_version=self.engine.version,
-                         reward_mean=round(sum(rewards) / len(rewards), 4),
-                         rollout_s=round(rollout_s, 3), tokens=tokens, tokens_per_s=round(tokens / rollout_s, 1))
+                metrics.emit("explorer_batch", batch_index=leases[0]["batch_index"], tasks=len(leases),
+                             samples=len(items), policy_version=self.engine.version,
+                             reward_mean=round(sum(rewards) / len(rewards), 4),
+                             rollout_s=round(rollout_s, 3), tokens=tokens, tokens_per_s=round(tokens / rollout_s, 1))
             for future in pending:
                 future.result(timeout=None)
             if self.cfg.explorer.eval_every:  # the newest weights, once more, for the run's last word

@@ -36,6 +36,7 @@ import torch
 from rlbus.common import protocol as P
 from rlbus.common.client import BrokerClient, BrokerError, BrokerUnreachable
 from rlbus.common.config import RunConfig
+from rlbus.common import metrics as metrics_sink
 from rlbus.common.logging import bind, significant
 from rlbus.trainer import checkpoint
 from rlbus.trainer.algorithms import LossConfig, lr_factor, policy_loss
@@ -273,32 +274,34 @@ class Trainer:
         staleness = Counter(self.step - v for v in (batch.versions if batch is not None else []))
         adv = batch.advantages if batch is not None and batch.size else torch.zeros(1)
         tokens = batch.tokens if batch is not None and batch.size else 0
-        log.info("train_step", step=self.step, policy_version=self.step, new_version=self.version,
-                 groups=batch.groups if batch is not None else 0,
-                 groups_dropped=(batch.dropped_groups if batch is not None else 0) + reply.header.get("skipped", 0)
-                 // max(1, self.cfg.rollout.repeat),
-                 groups_expired=reply.header.get("expired", 0) // max(1, self.cfg.rollout.repeat),
-                 samples=batch.size if batch is not None else 0, rejected=batch.rejected if batch is not None else {},
-                 reward_mean=round(float(rewards.mean()), 4) if rewards.numel() else None,
-                 reward_std=round(float(rewards.std()), 4) if rewards.numel() > 1 else None,
-                 adv_mean=round(float(adv.mean()), 4), adv_std=round(float(adv.std()), 4) if adv.numel() > 1 else 0.0,
-                 adv_abs_max=round(float(adv.abs().max()), 4),
-                 **{k: significant(v) for k, v in metrics.items()},
-                 staleness={str(k): v for k, v in sorted(staleness.items())}, tokens=tokens,
-                 tokens_per_s=round(tokens / compute_s, 1) if compute_s > 0 else 0.0,
-                 wait_s=round(wait_s, 3), compute_s=round(compute_s, 3), publish_s=round(publish_s, 3),
-                 step_s=round(total_s, 3), published=published)
+        repeat = max(1, self.cfg.rollout.repeat)
+        have = batch is not None
+        metrics_sink.emit(
+            "train_step", step=self.step, policy_version=self.step, new_version=self.version,
+            groups=batch.groups if have else 0,
+            groups_dropped=(batch.dropped_groups if have else 0) + reply.header.get("skipped", 0) // repeat,
+            groups_expired=reply.header.get("expired", 0) // repeat,
+            samples=batch.size if have else 0, rejected=batch.rejected if have else {},
+            reward_mean=round(float(rewards.mean()), 4) if rewards.numel() else None,
+            reward_std=round(float(rewards.std()), 4) if rewards.numel() > 1 else None,
+            adv_mean=round(float(adv.mean()), 4), adv_std=round(float(adv.std()), 4) if adv.numel() > 1 else 0.0,
+            adv_abs_max=round(float(adv.abs().max()), 4),
+            **{k: significant(v) for k, v in metrics.items()},
+            staleness={str(k): v for k, v in sorted(staleness.items())}, tokens=tokens,
+            tokens_per_s=round(tokens / compute_s, 1) if compute_s > 0 else 0.0,
+            wait_s=round(wait_s, 3), compute_s=round(compute_s, 3), publish_s=round(publish_s, 3),
+            step_s=round(total_s, 3), published=published)
 
     # ---- the process ------------------------------------------------------
 
     def connect(self) -> None:
-        b = self.cfg.broker
+        b, r = self.cfg.broker, self.cfg.rollout
         self.client = BrokerClient(b.address, "trainer", self.cfg.trainer.name, bus_address=None,
                                    heartbeat_interval_s=b.heartbeat_interval_s, liveness=b.liveness,
                                    policy_version=self.version, curve_server_key=b.curve_server_key,
                                    curve_client_key=b.curve_client_key,
                                    # what its importance weights and published weights assume: the broker checks
-                                   rollout={"temperature": self.cfg.rollout.temperature, "dtype": self.cfg.rollout.dtype})
+                                   rollout={"temperature": r.temperature, "dtype": r.dtype})
         welcome = self.client.start(timeout=60)
         self.broker_version = welcome["weights"]["version"]
         if self.broker_version > self.version:
