@@ -1,6 +1,8 @@
 """The weight-version bus: the latest weight state, kept durably and put on the PUB socket.
 
-The state is `{version, method, location, digest, step, published_at}`;
+The state is `{version, method, location, digest, step, published_at}`,
+with `broadcast` while an epoch is announced and `fetch_from` (and
+`fetch_key`) where the trainer serves its versions over the network;
 version 0 with an empty location is the initial model. A PUBLISH replaces it
 (never with an older version), stores it beside the buffer, and sends it at
 once; `tick` sends it again every `republish_interval_s`, because PUB drops
@@ -10,6 +12,7 @@ message is enough to know everything (the Clone pattern's snapshot).
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
@@ -37,13 +40,17 @@ class WeightBus:
         """Take a PUBLISH header; returns the error to answer with, or None once it is stored and sent."""
         if h["method"] not in METHODS:
             return P.ProtocolError("bad_field", f"PUBLISH: method {h['method']!r} is not one of {METHODS}")
+        fetch_from = h.get("fetch_from")
+        if fetch_from is not None and not re.fullmatch(r"tcp://[^\s/:]+:\d{1,5}", fetch_from):
+            return P.ProtocolError("bad_field", f"PUBLISH: fetch_from {P.brief(fetch_from)} is not tcp://HOST:PORT")
         if h["version"] < self.state["version"]:
             return P.ProtocolError("conflict", f"version {h['version']} is older than the published "
                                                f"{self.state['version']}")
         self.state = {"version": h["version"], "method": h["method"], "location": h["location"],
                       "digest": h["digest"], "step": h.get("step", h["version"]), "published_at": time.time()}
-        if h.get("broadcast"):
-            self.state["broadcast"] = h["broadcast"]
+        for key in ("broadcast", "fetch_from", "fetch_key"):
+            if h.get(key):
+                self.state[key] = h[key]
         self.store.set_meta("weights", self.state)
         log.info("weights_published", policy_version=h["version"], method=h["method"], location=h["location"],
                  epoch=h["broadcast"]["epoch"] if h.get("broadcast") else None)

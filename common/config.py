@@ -54,6 +54,11 @@ class RunConfig(Section):
     def buffer_dir(self) -> Path:
         return Path(self.buffer.dir) if self.buffer.dir else Path(self.run.dir) / "buffer"
 
+    def fetch_dir(self, explorer_name: str) -> Path:
+        """Where an explorer keeps the versions it fetched."""
+        return Path(self.explorer.weights_dir) if self.explorer.weights_dir else \
+            Path(self.run.dir) / "fetched" / explorer_name.replace("/", "_")
+
     def bus_address(self) -> str:
         if self.broker.pub_address:
             return self.broker.pub_address

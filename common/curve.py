@@ -54,6 +54,13 @@ def load_server_auth(ctx: zmq.Context, secret_file: str, authorized_dir: str,
 def configure_client(sock: zmq.Socket, server_public_file: str, client_secret_file: str) -> None:
     """Make `sock` a CURVE client of the broker whose public key file is given."""
     server_public, _ = _load(server_public_file, secret=False)
+    configure_client_keys(sock, server_public, client_secret_file)
+
+
+def configure_client_keys(sock: zmq.Socket, server_public: bytes, client_secret_file: str) -> None:
+    """Make `sock` a CURVE client of the server whose public key (Z85) is given."""
+    if not client_secret_file:
+        raise ValueError("a CURVE server needs this client's key pair (broker.curve_client_key)")
     public, secret = _load(client_secret_file, secret=True)
     sock.curve_serverkey = server_public
     sock.curve_publickey = public

@@ -119,6 +119,8 @@ class Publish(Header):
     digest: str
     step: Int | UnsetType = UNSET
     broadcast: Broadcast | UnsetType = UNSET
+    fetch_from: str | UnsetType = UNSET
+    fetch_key: str | UnsetType = UNSET
 
 
 class EvalItem(Struct, forbid_unknown_fields=False):

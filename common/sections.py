@@ -122,6 +122,19 @@ class SyncConfig(Section):
     """nccl method: the rendezvous store's port on the trainer (0: a free one, announced on the bus)."""
     bucket_mb: float = Field(64.0, gt=0)
     """nccl method: weights travel in flat buckets of at most this size."""
+    serve: bool = True
+    """Serve every published version over the network (weights/server.py), so explorers that cannot read the
+    trainer's run directory fetch it, as deltas against the version they hold."""
+    serve_host: str = "127.0.0.1"
+    """The interface the trainer's weight server binds (0.0.0.0: all of them)."""
+    serve_port: int = Field(0, ge=0, le=65535)
+    """The weight server's port (0: a free one; the bus announces it)."""
+    serve_advertise: str = ""
+    """The host explorers dial for weights (default: serve_host, or this machine's hostname for 0.0.0.0)."""
+    serve_authorized_dir: str = ""
+    """With CurveZMQ on: the client public keys the weight server admits (default: broker.curve_authorized_dir)."""
+    serve_chunk_mb: float = Field(4.0, gt=0, le=64)
+    """Weights travel in chunks of this size, each checked on arrival."""
 
     @model_validator(mode="after")
     def _staleness(self) -> "SyncConfig":
@@ -213,8 +226,14 @@ class ExplorerConfig(Section):
     """Tasks asked for per LEASE."""
     eval_every: int = Field(0, ge=0)
     """Greedy accuracy on the held-out set every this many policy versions, and at versions 0 and the last (0: never)."""
-    receive: Literal["auto", "checkpoint"] = "auto"
-    """auto: join the broadcast group when the run uses sync_method nccl; checkpoint: always load files."""
+    receive: Literal["auto", "checkpoint", "fetch"] = "auto"
+    """auto: join the broadcast group when the run uses sync_method nccl, else read the announced directory when
+    this host can, else fetch from the trainer's weight server; checkpoint: never join a broadcast; fetch: always
+    fetch, never read the trainer's directory."""
+    weights_dir: str = ""
+    """Where fetched versions are kept (default: run.dir/fetched/NAME)."""
+    fetch_timeout_s: float = Field(120.0, gt=0)
+    """A fetch that gets no reply from the weight server for this long fails (and is tried again later)."""
     memory_fraction: float = Field(0.3, gt=0, le=1)
     """vLLM gpu_memory_utilization; on CPU the share of host memory it reserves (0.3 works, the default 0.9 does not)."""
     engine_core: Literal["auto", "inline", "process"] = "auto"

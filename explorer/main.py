@@ -49,7 +49,8 @@ class Explorer:
         self.batches = 0
         self.client: BrokerClient | None = None
         self.evaluated: set[int] = set()
-        self.receiver = Receiver(self.name)
+        self.receiver = Receiver(self.name, cfg.fetch_dir(self.name), cfg.explorer.receive,
+                                 cfg.explorer.fetch_timeout_s, cfg.broker.curve_client_key)
         self.started_at = time.time()
 
     def connect(self) -> dict[str, Any]:
@@ -79,7 +80,7 @@ class Explorer:
         return {k: v for k, v in self.cfg.rollout.model_dump().items() if k in given}
 
     def _capabilities(self) -> dict[str, Any]:
-        if self.cfg.explorer.receive == "checkpoint":
+        if self.cfg.explorer.receive != "auto":
             return {"sync_methods": ["checkpoint"]}
         from rlbus.weights.broadcast import resolve_backend, unavailable
 

@@ -160,3 +160,4 @@ class BroadcastSender:
 
     def close(self) -> None:
         self._close_comm()
+        self.checkpoint.close()

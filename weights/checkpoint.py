@@ -42,8 +42,10 @@ def _fsync_tree(path: Path) -> None:
 class CheckpointSender:
     method = "checkpoint"
 
-    def __init__(self, weights_dir: str | Path, base_model_dir: str | Path, keep: int = 3, dtype=None):
+    def __init__(self, weights_dir: str | Path, base_model_dir: str | Path, keep: int = 3, dtype=None,
+                 server=None):
         self.dir = Path(weights_dir)
+        self.server = server  # a WeightServer over self.dir, announced in every state
         self.dir.mkdir(parents=True, exist_ok=True)
         self.base = Path(base_model_dir)
         self.keep = keep
@@ -53,7 +55,8 @@ class CheckpointSender:
         """Files need no broker connection."""
 
     def close(self) -> None:
-        """Nothing to release."""
+        if self.server is not None:
+            self.server.close()
 
     def snapshot(self, model) -> tuple[Any, dict[str, Any]]:
         """The model and a copy of its weights, taken now (training may change them meanwhile)."""
@@ -83,8 +86,13 @@ class CheckpointSender:
         os.rename(tmp, final)
         _fsync_dir(self.dir)
         self._prune(version)
-        return {"version": version, "method": "checkpoint", "location": str(final.resolve()), "digest": digest,
-                "step": step}
+        state = {"version": version, "method": "checkpoint", "location": str(final.resolve()), "digest": digest,
+                 "step": step}
+        if self.server is not None:
+            state["fetch_from"] = self.server.address
+            if self.server.public_key:
+                state["fetch_key"] = self.server.public_key
+        return state
 
     def _prune(self, newest: int) -> None:
         # Explorers may still be loading a recent version: keep a few.

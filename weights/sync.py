@@ -8,17 +8,24 @@ step)` on the publishing thread (returns the weight state for PUBLISH),
     checkpoint   CheckpointSender (checkpoint.py)   weights/v{N}/ on disk, read by path
     nccl         BroadcastSender  (broadcaster.py)  a broadcast to the epoch's members, plus the checkpoint
 
+and, with `sync.serve` (the default), starts the third pair's sender: a
+WeightServer (server.py) over the checkpoint directory, whose address every
+state announces as `fetch_from`; its receiver is `fetch_version` (fetch.py).
+
 Receiver (explorer): `Receiver.load(engine, state)` brings the engine to the
 announced version with one call. It chooses a *source*: the broadcast when
 this explorer is a member of the announced epoch (and did not fail that
-version), else the checkpoint, whose digest it checks first. A source is a
-small picklable map; the engine hands it to its workers, where
-`open_source` turns it into an iterator of (name, tensor) that the engine
-reloads from. The engine knows nothing else about weight sync.
+version), else the checkpoint directory when this host can read it, else a
+fetch from the weight server into a local directory (deltas against the
+version held), whose digest it checks first either way. A source is a small
+picklable map; the engine hands it to its workers, where `open_source` turns
+it into an iterator of (name, tensor) that the engine reloads from. The
+engine knows nothing else about weight sync.
 """
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any, Iterator, Protocol
 
@@ -57,12 +64,26 @@ def make_sender(cfg, weights_dir: str | Path, base_model_dir: str | Path, device
     from rlbus.weights.checkpoint import CheckpointSender
 
     dtype = getattr(torch, cfg.rollout.dtype)
-    checkpoint = CheckpointSender(weights_dir, base_model_dir, dtype=dtype)
+    checkpoint = CheckpointSender(weights_dir, base_model_dir, dtype=dtype, server=make_server(cfg, weights_dir))
     if cfg.sync.sync_method == "nccl":
         from rlbus.weights.broadcaster import BroadcastSender
 
         return BroadcastSender(cfg, checkpoint, dtype=dtype, device=device)
     return checkpoint
+
+
+def make_server(cfg, weights_dir: str | Path):
+    """The trainer's weight server over `weights_dir` (`sync.serve`), started; None when serving is off."""
+    s, b = cfg.sync, cfg.broker
+    if not s.serve:
+        return None
+    from rlbus.weights.server import WeightServer
+
+    curve = None
+    if b.curve_client_key:  # the trainer's own key pair makes it a CURVE server; clients learn its key on the bus
+        curve = (b.curve_client_key, s.serve_authorized_dir or b.curve_authorized_dir)
+    return WeightServer(weights_dir, s.serve_host, s.serve_port, s.serve_advertise,
+                        chunk_bytes=int(s.serve_chunk_mb * (1 << 20)), curve=curve).start()
 
 
 def checkpoint_source(path: str | Path) -> dict[str, Any]:
@@ -83,11 +104,22 @@ def load_checkpoint(engine: Engine, path: str | Path, digest: str, version: int)
 
 
 class Receiver:
-    """An explorer's side of weight sync, for any method (see the module docstring)."""
+    """An explorer's side of weight sync, for any method (see the module docstring).
 
-    def __init__(self, name: str):
+    `mode` is `explorer.receive`: auto (broadcast when a member, else the announced directory when this host can
+    read it, else a fetch), checkpoint (no broadcast), fetch (always fetch). Fetched versions are kept under
+    `fetch_dir`; the version held as files is the base that the next fetch takes deltas against.
+    """
+
+    def __init__(self, name: str, fetch_dir: str | Path | None = None, mode: str = "auto",
+                 fetch_timeout_s: float = 120.0, client_secret_file: str = ""):
         self.name = name
-        self.failed: set[int] = set()  # versions whose broadcast failed here: they come by checkpoint
+        self.mode = mode
+        self.fetch_dir = Path(fetch_dir) if fetch_dir else None
+        self.fetch_timeout_s = fetch_timeout_s
+        self.client_secret_file = client_secret_file
+        self.failed: set[int] = set()  # versions whose broadcast failed here: they come by checkpoint or fetch
+        self.held = None  # fetch.Base of the version the engine holds, when it is held as files
 
     def load(self, engine: Engine, state: dict[str, Any] | None) -> bool:
         """Bring `engine` to the version of the weight state `state`; True if it loaded it."""
@@ -97,19 +129,61 @@ class Receiver:
         if ann and self.name in ann["ranks"] and ann["version"] not in self.failed:
             try:
                 engine.reload(broadcast_source(ann, ann["ranks"][self.name]), ann["version"])
+                self.held = None
                 return True
-            except Exception as exc:  # the trainer aborts the epoch; this version comes by checkpoint
+            except Exception as exc:  # the trainer aborts the epoch; this version comes by checkpoint or fetch
                 self.failed.add(ann["version"])
                 log.warning("broadcast_failed", policy_version=ann["version"], epoch=ann["epoch"],
                             error=str(exc)[:300])
-        if not state.get("location"):
+        location = state.get("location")
+        if not location:
             return False  # announced by broadcast only so far: its checkpoint follows
-        try:
-            load_checkpoint(engine, state["location"], state["digest"], state["version"])
-        except (DigestMismatch, FileNotFoundError) as exc:
-            log.error("weights_load_failed", policy_version=state["version"], error=str(exc))
+        if self.mode != "fetch" and Path(location).is_dir():
+            try:
+                load_checkpoint(engine, location, state["digest"], state["version"])
+                self._hold(state, Path(location))
+                return True
+            except (DigestMismatch, FileNotFoundError) as exc:
+                log.warning("weights_path_unusable", policy_version=state["version"], location=location,
+                            error=str(exc), fetch=bool(state.get("fetch_from")))
+        if state.get("fetch_from") and self.fetch_dir is not None:
+            return self._fetch(engine, state)
+        log.error("weights_unreachable", policy_version=state["version"], location=location,
+                  reason="the directory is not readable here and no weight server is announced")
+        return False
+
+    def _hold(self, state: dict[str, Any], path: Path) -> None:
+        from rlbus.weights.fetch import Base
+
+        self.held = Base(state["version"], path, state["digest"])
+
+    def _fetch(self, engine: Engine, state: dict[str, Any]) -> bool:
+        from rlbus.weights.fetch import FetchFailed, fetch_version
+
+        version, base = state["version"], self.held
+        for attempt in (base, None) if base is not None else (None,):
+            try:
+                got = fetch_version(state["fetch_from"], version, state["digest"], self.fetch_dir, attempt,
+                                    server_key=state.get("fetch_key", ""), client_secret_file=self.client_secret_file,
+                                    timeout_s=self.fetch_timeout_s)
+                break
+            except FetchFailed as exc:
+                log.warning("weights_fetch_failed", policy_version=version, base=attempt and attempt.version,
+                            error=str(exc)[:300])
+        else:
             return False
+        log.info("weights_fetched", policy_version=version, base=got.base, bytes=got.received_bytes,
+                 version_bytes=got.version_bytes, seconds=round(got.seconds, 3), bad_chunks=got.bad_chunks,
+                 resent=got.resent)
+        load_checkpoint(engine, got.path, state["digest"], version)
+        self._hold(state, got.path)
+        self._prune(keep=got.path)
         return True
+
+    def _prune(self, keep: Path) -> None:
+        for path in self.fetch_dir.glob("v*"):
+            if path != keep and path.name[1:].isdigit():
+                shutil.rmtree(path, ignore_errors=True)
 
 
 def open_source(source: dict[str, Any], worker: Any) -> tuple[Iterator[tuple[str, Any]], dict[str, Any]]:

@@ -1,0 +1,331 @@
+"""Weights over the network: deltas, the weight server and fetch_version, on loopback with real sockets.
+
+The server runs in a thread of the test (as it does in the trainer), or as its own process where a test kills
+it; a corrupting link is a real ZeroMQ proxy between client and server.
+"""
+
+from __future__ import annotations
+
+import filecmp
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import zmq
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("zstandard")
+from safetensors.torch import save_file  # noqa: E402
+
+from rlbus.common import protocol as P  # noqa: E402
+from rlbus.common.curve import make_keys  # noqa: E402
+from rlbus.weights.delta import apply_delta, make_delta  # noqa: E402
+from rlbus.weights.digest import weights_digest  # noqa: E402
+from rlbus.weights.fetch import Base, FetchFailed, fetch_version  # noqa: E402
+from rlbus.weights.server import CHUNK, MAGIC, MANIFEST, WeightServer  # noqa: E402
+from tests.conftest import REPO, free_port  # noqa: E402
+
+CHUNK_BYTES = 64 << 10
+
+
+def publish_versions(root: Path, count: int, changed: float = 0.01, seed: int = 0) -> dict[int, str]:
+    """Versions v1..v{count} of a small model: each changes `changed` of the bf16 values a little."""
+    g = torch.Generator().manual_seed(seed)
+    state = {"embed": torch.randn(512, 256, generator=g).to(torch.bfloat16),
+             "layer.weight": torch.randn(256, 256, generator=g).to(torch.bfloat16),
+             "norm": torch.ones(256, dtype=torch.float32)}
+    digests = {}
+    for v in range(1, count + 1):
+        if v > 1:
+            for t in state.values():
+                flat = t.view(-1)
+                idx = torch.randperm(flat.numel(), generator=g)[: max(1, int(flat.numel() * changed))]
+                flat[idx] += (1e-2 * torch.randn(len(idx), generator=g)).to(t.dtype)
+        d = root / f"v{v}"
+        d.mkdir(parents=True)
+        save_file(state, str(d / "model.safetensors"))
+        (d / "config.json").write_text('{"model_type": "tiny"}')
+        digests[v] = weights_digest(d)
+    return digests
+
+
+@pytest.fixture
+def served(tmp_path):
+    root = tmp_path / "served"
+    digests = publish_versions(root, 3)
+    server = WeightServer(root, chunk_bytes=CHUNK_BYTES).start()
+    yield server, root, digests
+    server.close()
+
+
+def same_files(a: Path, b: Path) -> bool:
+    names = sorted(p.name for p in a.iterdir())
+    return names == sorted(p.name for p in b.iterdir()) and all(filecmp.cmp(a / n, b / n, shallow=False)
+                                                                 for n in names)
+
+
+def test_a_delta_chain_gives_the_bytes_of_the_full_version(tmp_path):
+    digests = publish_versions(tmp_path / "w", 3)
+    assert len(set(digests.values())) == 3
+    held = tmp_path / "w" / "v1" / "model.safetensors"
+    for v in (2, 3):
+        target = tmp_path / "w" / f"v{v}" / "model.safetensors"
+        size = make_delta(held, target, tmp_path / f"d{v}.zst")
+        assert size is not None and size < 0.25 * target.stat().st_size
+        rebuilt = tmp_path / f"rebuilt{v}"
+        assert apply_delta(held, tmp_path / f"d{v}.zst", rebuilt) == target.stat().st_size
+        assert rebuilt.read_bytes() == target.read_bytes()
+        held = rebuilt
+    # A file of another layout has no delta; a delta refuses a base of another length.
+    other = tmp_path / "other.safetensors"
+    save_file({"embed": torch.zeros(4, 4)}, str(other))
+    assert make_delta(other, tmp_path / "w" / "v2" / "model.safetensors", tmp_path / "x.zst") is None
+    with pytest.raises(ValueError, match="longer than its base|covers"):
+        apply_delta(other, tmp_path / "d2.zst", tmp_path / "bad")
+
+
+def test_full_fetch_then_deltas_against_the_version_held(served, tmp_path):
+    server, root, digests = served
+    dest = tmp_path / "explorer"
+    first = fetch_version(server.address, 1, digests[1], dest)
+    assert first.base is None and same_files(first.path, root / "v1")
+    assert first.received_bytes == first.version_bytes
+    second = fetch_version(server.address, 2, digests[2], dest, Base(1, first.path, digests[1]))
+    assert second.base == 1 and same_files(second.path, root / "v2")
+    assert second.received_bytes < 0.25 * second.version_bytes  # the config file came from the base, not the wire
+    third = fetch_version(server.address, 3, digests[3], dest, Base(1, first.path, digests[1]))
+    assert third.base == 1 and same_files(third.path, root / "v3")
+    # A base whose digest the server does not know gets the whole version.
+    whole = fetch_version(server.address, 3, digests[3], tmp_path / "other", Base(2, second.path, "xxh3_128:0"))
+    assert whole.base is None and same_files(whole.path, root / "v3")
+    # Already there: nothing crosses the network.
+    assert fetch_version(server.address, 3, digests[3], dest).received_bytes == 0
+
+
+def test_the_announced_digest_is_checked(served, tmp_path):
+    server, _, digests = served
+    with pytest.raises(FetchFailed, match="digest"):
+        fetch_version(server.address, 2, digests[1], tmp_path / "e")
+    assert not (tmp_path / "e" / "v2").exists()
+
+
+class CorruptingLink:
+    """A ROUTER-DEALER relay that flips one byte of the n-th CHUNK it carries back, once."""
+
+    def __init__(self, upstream: str, corrupt_at: int):
+        self.ctx = zmq.Context()
+        self.front = self.ctx.socket(zmq.ROUTER)
+        self.port = self.front.bind_to_random_port("tcp://127.0.0.1")
+        self.back = self.ctx.socket(zmq.DEALER)
+        self.back.connect(upstream)
+        self.corrupt_at, self.seen, self.corrupted = corrupt_at, 0, 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def run(self):
+        poller = zmq.Poller()
+        poller.register(self.front, zmq.POLLIN)
+        poller.register(self.back, zmq.POLLIN)
+        client = None
+        while not self.stop.is_set():
+            for sock, _ in poller.poll(50):
+                frames = sock.recv_multipart()
+                if sock is self.front:
+                    client = frames[0]
+                    self.back.send_multipart(frames[1:])
+                    continue
+                if frames[1] == CHUNK:
+                    self.seen += 1
+                    if self.seen == self.corrupt_at:
+                        data = bytearray(frames[3])
+                        data[len(data) // 2] ^= 0xFF
+                        frames[3] = bytes(data)
+                        self.corrupted += 1
+                self.front.send_multipart([client, *frames])
+
+    def close(self):
+        self.stop.set()
+        self.thread.join(5)
+        self.ctx.destroy(0)
+
+
+def test_a_corrupted_chunk_is_refused_and_fetched_again(served, tmp_path):
+    server, root, digests = served
+    link = CorruptingLink(server.address, corrupt_at=3)
+    try:
+        got = fetch_version(f"tcp://127.0.0.1:{link.port}", 1, digests[1], tmp_path / "e")
+    finally:
+        link.close()
+    assert link.corrupted == 1 and got.bad_chunks == 1
+    assert same_files(got.path, root / "v1")
+
+
+def start_server(root: Path, port: int) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "rlbus.weights.server", str(root), "--port", str(port),
+                             "--chunk-mb", str(CHUNK_BYTES / (1 << 20))], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+    assert proc.stdout.readline().strip() == f"tcp://127.0.0.1:{port}"
+    return proc
+
+
+def stop(proc: subprocess.Popen, sig=signal.SIGTERM) -> None:
+    if proc.poll() is None:
+        os.kill(proc.pid, sig)
+    proc.wait(30)
+
+
+def test_a_fetch_resumes_when_the_server_is_killed_and_restarted_midway(tmp_path):
+    root = tmp_path / "served"
+    digests = publish_versions(root, 1)
+    port = free_port()
+    procs = [start_server(root, port)]
+    restarted = threading.Event()
+
+    def on_chunk(done: int, total: int) -> None:
+        if done >= total // 2 and not restarted.is_set():
+            restarted.set()
+            stop(procs[-1], signal.SIGKILL)
+            procs.append(start_server(root, port))
+
+    try:
+        got = fetch_version(f"tcp://127.0.0.1:{port}", 1, digests[1], tmp_path / "e", retry_s=0.5, timeout_s=30,
+                            on_chunk=on_chunk)
+    finally:
+        for p in procs:
+            stop(p)
+    assert restarted.is_set() and got.resent > 0
+    assert same_files(got.path, root / "v1")
+    assert got.received_bytes <= got.version_bytes + 4 * CHUNK_BYTES  # what came before the kill was kept
+
+
+def test_a_fetch_given_up_resumes_from_the_chunks_already_on_disk(tmp_path):
+    root = tmp_path / "served"
+    digests = publish_versions(root, 1)
+    port = free_port()
+    procs = [start_server(root, port)]
+    total_bytes = (root / "v1" / "model.safetensors").stat().st_size
+
+    def on_chunk(done: int, total: int) -> None:
+        if done >= total // 2:
+            stop(procs[0], signal.SIGKILL)
+
+    dest = tmp_path / "e"
+    with pytest.raises(FetchFailed, match="no reply"):
+        fetch_version(f"tcp://127.0.0.1:{port}", 1, digests[1], dest, retry_s=0.2, timeout_s=1.0, on_chunk=on_chunk)
+    assert (dest / ".v1.partial").is_dir() and not (dest / "v1").exists()
+    procs.append(start_server(root, port))
+    try:
+        got = fetch_version(f"tcp://127.0.0.1:{port}", 1, digests[1], dest)
+    finally:
+        stop(procs[-1])
+    assert same_files(got.path, root / "v1")
+    assert got.received_bytes < 0.75 * total_bytes
+
+
+def ask(sock: zmq.Socket, frames: list[bytes]) -> tuple[bytes, dict]:
+    sock.send_multipart(frames)
+    assert sock.poll(5000), "the weight server did not answer"
+    reply = sock.recv_multipart()
+    return reply[1], P.unpack(reply[2])
+
+
+def test_requests_name_versions_and_files_never_paths_and_bad_input_gets_an_error(served):
+    server, _, _ = served
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.linger = 0
+    sock.connect(server.address)
+    try:
+        cases = [
+            ([MAGIC, CHUNK, P.pack({"req": 1, "version": 1, "file": "../../../etc/passwd"})], "bad_request"),
+            ([MAGIC, CHUNK, P.pack({"req": 2, "version": 1, "file": "config.json", "index": 7})], "bad_request"),
+            ([MAGIC, MANIFEST, P.pack({"req": 3, "version": 99})], "gone"),
+            ([MAGIC, MANIFEST, P.pack({"req": 4, "version": "v1/../.."})], "bad_request"),
+            ([MAGIC, MANIFEST, P.pack({"req": 5, "version": -1})], "bad_request"),
+            ([MAGIC, b"DELETE", P.pack({"req": 6, "version": 1})], "bad_request"),
+            ([MAGIC, MANIFEST, b"\xc1not msgpack"], "bad_request"),
+            ([b"http/1.1", b"GET /"], "bad_request"),
+        ]
+        for frames, code in cases:
+            command, header = ask(sock, frames)
+            assert (command, header["code"]) == (b"ERROR", code), (frames, header)
+        # Still serving.
+        command, header = ask(sock, [MAGIC, MANIFEST, P.pack({"req": 9, "version": 2})])
+        assert command == MANIFEST and header["req"] == 9
+        assert {f["name"] for f in header["files"]} == {"config.json", "model.safetensors"}
+        assert all("source" not in f for f in header["files"])
+    finally:
+        sock.close(0)
+
+
+def test_with_curve_only_admitted_clients_are_served(tmp_path):
+    root = tmp_path / "served"
+    digests = publish_versions(root, 1)
+    keys, admitted = tmp_path / "keys", tmp_path / "admitted"
+    _, trainer_secret = make_keys(keys, "trainer")
+    explorer_public, explorer_secret = make_keys(keys, "explorer")
+    _, stranger_secret = make_keys(tmp_path / "strangers", "stranger")
+    admitted.mkdir()
+    (admitted / explorer_public.name).write_bytes(explorer_public.read_bytes())
+    server = WeightServer(root, chunk_bytes=CHUNK_BYTES, curve=(str(trainer_secret), str(admitted))).start()
+    try:
+        assert server.public_key
+        got = fetch_version(server.address, 1, digests[1], tmp_path / "e", server_key=server.public_key,
+                            client_secret_file=str(explorer_secret))
+        assert same_files(got.path, root / "v1")
+        with pytest.raises(FetchFailed, match="no reply"):
+            fetch_version(server.address, 1, digests[1], tmp_path / "s", server_key=server.public_key,
+                          client_secret_file=str(stranger_secret), retry_s=0.2, timeout_s=1.0)
+        with pytest.raises(FetchFailed, match="no reply"):  # in the clear: no handshake, no reply
+            fetch_version(server.address, 1, digests[1], tmp_path / "c", retry_s=0.2, timeout_s=1.0)
+    finally:
+        server.close()
+
+
+class RecordingEngine:
+    """A stand-in for the vLLM engine (its real counterpart is exercised by tests/test_hosts.py)."""
+
+    def __init__(self):
+        self.version = 0
+        self.sources: list[dict] = []
+
+    def reload(self, source: dict, version: int) -> dict:
+        self.sources.append(source)
+        self.version = version
+        return {}
+
+
+def state_of(server: WeightServer, root: Path, digests: dict[int, str], version: int, location: Path | None = None):
+    return {"version": version, "method": "checkpoint", "digest": digests[version], "step": version,
+            "location": str(location or root / f"v{version}"), "fetch_from": server.address}
+
+
+def test_the_receiver_reads_the_path_when_it_can_and_fetches_deltas_when_it_cannot(served, tmp_path):
+    from rlbus.weights.sync import Receiver
+
+    server, root, digests = served
+    engine, receiver = RecordingEngine(), Receiver("e1", tmp_path / "fetched")
+    assert receiver.load(engine, state_of(server, root, digests, 1))
+    assert engine.sources[-1] == {"method": "checkpoint", "path": str(root / "v1")}
+    # The announced directory is not there on this host: v2 comes by fetch, as a delta against v1.
+    gone = tmp_path / "elsewhere" / "v2"
+    assert receiver.load(engine, state_of(server, root, digests, 2, location=gone))
+    assert engine.sources[-1] == {"method": "checkpoint", "path": str(tmp_path / "fetched" / "v2")}
+    assert receiver.held.version == 2 and engine.version == 2
+    assert server.served_bytes < 0.25 * (root / "v2" / "model.safetensors").stat().st_size  # a delta against v1
+    assert receiver.load(engine, state_of(server, root, digests, 3, location=tmp_path / "elsewhere" / "v3"))
+    assert sorted(p.name for p in (tmp_path / "fetched").iterdir()) == ["v3"]  # the older fetch was pruned
+    assert same_files(tmp_path / "fetched" / "v3", root / "v3")
+    # receive: fetch never reads the path, even where it could.
+    engine2, fetching = RecordingEngine(), Receiver("e2", tmp_path / "f2", mode="fetch")
+    assert fetching.load(engine2, state_of(server, root, digests, 3))
+    assert engine2.sources[-1]["path"] == str(tmp_path / "f2" / "v3")
+    # Nowhere to get it from: not loaded, and said so.
+    engine3 = RecordingEngine()
+    state = state_of(server, root, digests, 2, location=gone)
+    del state["fetch_from"]
+    assert not Receiver("e3", tmp_path / "f3").load(engine3, state) and engine3.version == 0

@@ -1,0 +1,218 @@
+"""Fetching a published version from a weight server (weights/server.py) into a local directory.
+
+`fetch_version` asks for the manifest (against the version this explorer
+holds, if it has its files, so that `.safetensors` files come as deltas),
+then pulls every chunk it lacks with a window of requests in flight,
+checking each against the manifest's xxh3 (a bad chunk is asked for again).
+When no reply comes for `retry_s` it asks again for what is outstanding; the
+DEALER socket reconnects by itself after the server restarts or the link
+comes back. Chunks land in `.v{N}.partial/` at their offsets, so a fetch
+interrupted for good (the explorer restarted) resumes from the chunks already
+there: they are hashed and kept. Deltas are applied to the base version's
+files, files unchanged since the base are copied from it, and the assembled
+version must have the digest the bus announced before it is renamed to
+`v{N}/`. A fetch that makes no progress for `timeout_s` raises FetchFailed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import structlog
+import zmq
+
+from rlbus.common import protocol as P
+from rlbus.weights.delta import apply_delta
+from rlbus.weights.digest import matches
+from rlbus.weights.server import CHUNK, ERROR, MAGIC, MANIFEST, chunk_hashes
+
+log = structlog.get_logger()
+
+
+class FetchFailed(Exception):
+    """A version could not be fetched (server unreachable past the timeout, version gone, bad digest)."""
+
+
+@dataclass
+class Fetched:
+    path: Path
+    version: int
+    base: int | None  # the version the deltas were taken against; None for a whole version
+    received_bytes: int  # bytes that crossed the network (chunks, including any asked for twice)
+    version_bytes: int  # bytes of the version's files
+    seconds: float
+    bad_chunks: int = 0
+    resent: int = 0
+
+
+@dataclass
+class Base:
+    """A version held locally as files: the base that deltas are taken against."""
+
+    version: int
+    path: Path
+    digest: str
+
+
+class _Transfer:
+    """One DEALER conversation: requests with ids, resent after silence, replies matched by id."""
+
+    def __init__(self, address: str, server_key: str, client_secret_file: str, retry_s: float, timeout_s: float):
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.linger = 0
+        self.sock.rcvhwm = 0
+        if server_key:
+            from rlbus.common.curve import configure_client_keys
+
+            configure_client_keys(self.sock, server_key.encode(), client_secret_file)
+        try:
+            self.sock.connect(address)
+        except zmq.ZMQError as exc:
+            self.sock.close(0)
+            raise FetchFailed(f"cannot connect to the weight server at {address!r}: {exc}") from exc
+        self.address = address
+        self.ids = itertools.count(1)
+        self.retry_s, self.timeout_s = retry_s, timeout_s
+        self.outstanding: dict[int, tuple[bytes, dict[str, Any], Any]] = {}
+        self.progress_at = time.monotonic()
+        self.resent = 0
+
+    def send(self, command: bytes, header: dict[str, Any], tag: Any) -> None:
+        req = next(self.ids)
+        self.outstanding[req] = (command, header, tag)
+        try:  # with no connection up (server down, handshake refused) it is asked again after the silence
+            self.sock.send_multipart([MAGIC, command, P.pack({"req": req, **header})], zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+
+    def receive(self) -> tuple[Any, bytes, dict[str, Any], bytes | None]:
+        """The next reply to an outstanding request: (its tag, command, header, data frame)."""
+        waited_from = time.monotonic()
+        while True:
+            if self.sock.poll(int(self.retry_s * 1000)):
+                frames = self.sock.recv_multipart()
+                if len(frames) < 3 or frames[0] != MAGIC:
+                    continue
+                header = P.unpack(frames[2])
+                entry = self.outstanding.pop(header.get("req"), None)
+                if entry is None:
+                    continue  # an answer to a request already asked again
+                self.progress_at = time.monotonic()
+                return entry[2], frames[1], header, frames[3] if len(frames) > 3 else None
+            now = time.monotonic()
+            if now - self.progress_at > self.timeout_s:
+                raise FetchFailed(f"no reply from the weight server at {self.address} for {self.timeout_s:.0f} s")
+            if now - waited_from >= self.retry_s:  # silence: ask again for everything outstanding
+                waited_from = now
+                again = list(self.outstanding.values())
+                self.outstanding.clear()
+                self.resent += len(again)
+                for command, header, tag in again:
+                    self.send(command, header, tag)
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+def _manifest(t: _Transfer, version: int, base: Base | None) -> dict[str, Any]:
+    ask = {"version": version}
+    if base is not None:
+        ask.update(base=base.version, base_digest=base.digest)
+    t.send(MANIFEST, ask, None)
+    _, command, header, _ = t.receive()
+    if command == ERROR:
+        raise FetchFailed(f"v{version} from {t.address}: {header.get('code')}: {header.get('message')}")
+    return header
+
+
+def _prepare(files: list[dict[str, Any]], work: Path, base: Base | None, chunk_bytes: int) -> list[tuple[int, int]]:
+    """Copy what the base already has, keep chunks a previous attempt left; the (file, chunk) pairs still to get."""
+    todo = []
+    for fi, entry in enumerate(files):
+        name = entry["name"]
+        local = work / (name + ".zst" if "delta" in entry else name)
+        base_file = base.path / name if base is not None else None
+        if "delta" not in entry and base_file is not None and base_file.is_file() \
+                and base_file.stat().st_size == entry["size"] and chunk_hashes(base_file, chunk_bytes)[1] == entry["xxh"]:
+            shutil.copyfile(base_file, work / name)
+            continue
+        size = entry["delta"]["size"] if "delta" in entry else entry["size"]
+        have = chunk_hashes(local, chunk_bytes)[0] if local.is_file() and local.stat().st_size == size else []
+        with open(local, "ab") as f:
+            f.truncate(size)
+        todo += [(fi, ci) for ci, h in enumerate(entry["chunks"]) if ci >= len(have) or have[ci] != h]
+    return todo
+
+
+def fetch_version(address: str, version: int, digest: str, dest: str | Path, base: Base | None = None, *,
+                  server_key: str = "", client_secret_file: str = "", timeout_s: float = 120.0,
+                  retry_s: float = 2.0, window: int = 4,
+                  on_chunk: Callable[[int, int], None] | None = None) -> Fetched:
+    """Fetch version `version` (whose digest the bus announced) into `dest/v{version}/`; see the module docstring."""
+    import xxhash
+
+    started = time.monotonic()
+    dest = Path(dest)
+    final = dest / f"v{version}"
+    if final.is_dir() and matches(final, digest)[0]:
+        return Fetched(final, version, None, 0, 0, 0.0)
+    if base is not None and not base.path.is_dir():
+        base = None
+    work = dest / f".v{version}.partial"
+    work.mkdir(parents=True, exist_ok=True)
+    t = _Transfer(address, server_key, client_secret_file, retry_s, timeout_s)
+    try:
+        manifest = _manifest(t, version, base)
+        if digest and manifest["digest"] != digest:
+            raise FetchFailed(f"the weight server holds v{version} with digest {manifest['digest']}, "
+                              f"the bus announced {digest}")
+        files, chunk_bytes = manifest["files"], manifest["chunk_bytes"]
+        ask = {"version": version}
+        if manifest.get("base") is not None:
+            ask.update(base=base.version, base_digest=base.digest)
+        todo = _prepare(files, work, base, chunk_bytes)
+        total, received, bad = len(todo), 0, 0
+        todo.reverse()
+        while todo or t.outstanding:
+            while todo and len(t.outstanding) < window:
+                fi, ci = todo.pop()
+                t.send(CHUNK, {**ask, "file": files[fi]["name"], "index": ci}, (fi, ci))
+            (fi, ci), command, header, data = t.receive()
+            if command == ERROR:
+                raise FetchFailed(f"v{version} from {address}: {header.get('code')}: {header.get('message')}")
+            received += len(data or b"")
+            if data is None or xxhash.xxh3_64_intdigest(data) != files[fi]["chunks"][ci]:
+                bad += 1
+                log.warning("weights_chunk_refused", policy_version=version, file=files[fi]["name"], chunk=ci)
+                todo.append((fi, ci))
+                continue
+            entry = files[fi]
+            with open(work / (entry["name"] + ".zst" if "delta" in entry else entry["name"]), "r+b") as f:
+                os.pwrite(f.fileno(), data, ci * chunk_bytes)
+            if on_chunk is not None:
+                on_chunk(total - len(todo) - len(t.outstanding), total)
+    finally:
+        t.close()
+    for entry in files:
+        if "delta" in entry:
+            blob = work / (entry["name"] + ".zst")
+            apply_delta(base.path / entry["name"], blob, work / entry["name"])
+            blob.unlink()
+    ok, actual = matches(work, manifest["digest"])
+    if not ok:
+        shutil.rmtree(work, ignore_errors=True)
+        raise FetchFailed(f"v{version} assembled from {address} has digest {actual}, expected {manifest['digest']}")
+    for file in work.iterdir():
+        with open(file, "rb") as f:
+            os.fsync(f.fileno())
+    shutil.rmtree(final, ignore_errors=True)
+    os.rename(work, final)
+    return Fetched(final, version, manifest.get("base"), received, sum(f["size"] for f in files),
+                   time.monotonic() - started, bad, t.resent)
