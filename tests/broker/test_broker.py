@@ -140,6 +140,19 @@ def test_publish_reaches_bus_and_welcome(broker, clients):
     assert late.welcome["weights"]["location"] == "/w/v3"
 
 
+def test_publish_carries_where_to_fetch_and_refuses_a_bad_address(broker, clients):
+    ex = clients(broker, "explorer", "ex")
+    tr = clients(broker, "trainer", "tr")
+    state = {"version": 1, "method": "checkpoint", "location": "/w/v1", "digest": "abc", "step": 1}
+    for bad in ("/w/v1", "tcp://host", "ipc:///tmp/x", "tcp://h:1 ; rm"):
+        with pytest.raises(BrokerError, match="bad_field.*fetch_from"):
+            tr.request(P.PUBLISH, {**state, "fetch_from": bad})
+    tr.request(P.PUBLISH, {**state, "fetch_from": "tcp://trainer-host:5557", "fetch_key": "K" * 40})
+    assert wait_for(lambda: ex.weights and ex.weights["version"] == 1, 5)
+    assert ex.weights["fetch_from"] == "tcp://trainer-host:5557" and ex.weights["fetch_key"] == "K" * 40
+    assert clients(broker, "explorer", "late").welcome["weights"]["fetch_from"] == "tcp://trainer-host:5557"
+
+
 def test_only_the_trainer_fetches_and_one_trainer_at_a_time(broker, clients):
     ex = clients(broker, "explorer", "ex")
     with pytest.raises(BrokerError, match="bad_role"):
