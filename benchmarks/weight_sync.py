@@ -1,24 +1,39 @@
-"""Weight sync on the bundled model: broadcast (gloo) and checkpoint, from PUBLISH until K explorers can generate.
+"""Weight sync on the bundled model: broadcast (gloo), checkpoint and network fetch (whole and delta),
+from PUBLISH until K explorers can generate.
 
-    .venv/bin/python benchmarks/weight_sync.py [--versions 3]
+    .venv/bin/python benchmarks/weight_sync.py [--versions 3] [--max-k 4]
 
 A real broker and K real `rlbus explorer` processes (vLLM, CPU) in lockstep,
 so each waits for the next version. This process plays the trainer: it
-holds SmolLM2-135M-Instruct, changes it a little for each version, snapshots
-it (not timed, as in the trainer) and publishes it, through the broadcast
-publisher (the explorers are members of its epoch) or as a checkpoint. The
-sync time of a version runs from the start of publishing to the last
-explorer's `weights_loaded` line for it: after that line the explorer's next
-generation uses the version. K = 1, then a second explorer joins (K = 2).
+holds SmolLM2-135M-Instruct in float32 and changes it as an Adam step of
+`--lr` would (every value moves by about lr), snapshots it (not timed, as in
+the trainer) and publishes it in bfloat16: through the broadcast publisher
+(the explorers are members of its epoch), as a checkpoint read by path, or
+served by a WeightServer with the path made unreadable to the explorers (as
+on a separate host): first whole versions, then deltas against the version
+each explorer holds. The sync time of a version runs from the start of
+publishing to the last explorer's `weights_loaded` line for it: after that
+line the explorer's next generation uses the version. K = 1, 2, 4: explorers
+join one by one.
 
 Floors, measured in the same run on the same bytes:
 - bare_broadcast_s: the buckets broadcast by gloo between plain processes;
 - memcpy_s: one copy of the buckets in memory;
-- reload_s: vLLM's in-place reload alone (timed inside the explorers' workers).
+- reload_s: vLLM's in-place reload alone (timed inside the explorers' workers);
+- loopback_mb_s: a plain TCP stream over loopback between two threads;
+  network floor = version bytes / loopback_mb_s + reload_s.
 
-Last line: one JSON object with broadcast_sync_s, checkpoint_sync_s,
-bare_broadcast_s, reload_s, memcpy_s, ratio (broadcast_sync_s over
-bare_broadcast_s + reload_s) for K = 1, and the same under `k2`.
+Last line: one JSON object with, for K = 1, broadcast_sync_s,
+checkpoint_sync_s, network_full_sync_s, network_delta_sync_s (from the start
+of publishing, which for the file methods includes writing the version),
+network_full_from_publish_s and network_delta_from_publish_s (from the
+PUBLISH request),
+bare_broadcast_s, reload_s, memcpy_s, network_floor_s, ratio (broadcast over
+its floor), network_ratio (network_full_from_publish_s over network_floor_s),
+delta_bytes_share (delta bytes over version bytes, median), delta_apply_s,
+server_cpu_s (the weight server's CPU time per version served to every
+explorer, the share of the trainer's process it takes); the same under
+`k2` and `k4`.
 """
 
 from __future__ import annotations
@@ -28,7 +43,9 @@ import json
 import multiprocessing as mp
 import os
 import signal
+import socket
 import statistics
+import threading
 import subprocess
 import sys
 import tempfile
@@ -38,6 +55,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.harness import REPO, broker_process, free_port  # noqa: E402
+from rlbus.logview import events  # noqa: E402
 
 
 def bare_receiver(ann: dict, rank: int, rounds: int, ready) -> None:
@@ -96,28 +114,63 @@ def memcpy(buckets) -> float:
     return statistics.median(times)
 
 
+def loopback_mb_s(nbytes: int) -> float:
+    """MB/s of a plain TCP stream of `nbytes` over loopback, between two threads (best of 3)."""
+    block = bytearray(4 << 20)
+    best = 0.0
+    for _ in range(3):
+        listener = socket.create_server(("127.0.0.1", 0))
+        got = [0]
+
+        def sink():
+            conn, _ = listener.accept()
+            buf = bytearray(4 << 20)
+            while n := conn.recv_into(buf):
+                got[0] += n
+            conn.close()
+
+        reader = threading.Thread(target=sink)
+        reader.start()
+        started = time.perf_counter()
+        with socket.create_connection(listener.getsockname()) as out:
+            sent = 0
+            while sent < nbytes:
+                out.sendall(block)
+                sent += len(block)
+        reader.join()
+        best = max(best, got[0] / (time.perf_counter() - started) / 1e6)
+        listener.close()
+    return best
+
+
+def adam_like_step(model, lr: float, generator) -> None:
+    """Move every parameter by about lr, as Adam's normalised update does."""
+    import torch
+
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=generator).sign_(), alpha=lr)
+
+
 class Fleet:
-    def __init__(self, broker: str, pub_port: int, model: str, logs: Path):
+    def __init__(self, broker: str, pub_port: int, model: str, logs: Path, fetch_dir: str = ""):
         self.broker, self.pub_port, self.model, self.logs = broker, pub_port, model, logs
+        self.fetch_dir = fetch_dir
         self.procs: list[subprocess.Popen] = []
 
     def add(self, name: str) -> None:
         args = [sys.executable, "-m", "rlbus.cli", "explorer", "--broker", self.broker, "--name", name]
         for s in (f"broker.pub_port={self.pub_port}", f"model.path={self.model}", "explorer.memory_fraction=0.15",
                   "rollout.max_tokens=4", "explorer.tasks_per_lease=1", "logging.format=json",
-                  f"logging.file={self.logs / name}.jsonl"):
+                  f"logging.file={self.logs / name}.jsonl",
+                  *([f"explorer.weights_dir={self.fetch_dir}/{name}"] if self.fetch_dir else [])):
             args += ["--set", s]
         self.procs.append(subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL,
                                            stderr=open(self.logs / f"{name}.err", "w"), start_new_session=True))
 
-    def loaded_at(self, name: str, version: int) -> dict | None:
-        path = self.logs / f"{name}.jsonl"
-        for line in path.read_text().splitlines() if path.exists() else []:
-            if '"weights_loaded"' in line:
-                e = json.loads(line)
-                if e.get("policy_version") == version:
-                    return e
-        return None
+    def loaded_at(self, name: str, version: int, event: str = "weights_loaded") -> dict | None:
+        return next((e for e in events(self.logs / f"{name}.jsonl", event) if e.get("policy_version") == version),
+                    None)
 
     def stop(self) -> None:
         for p in self.procs:
@@ -132,25 +185,59 @@ class Fleet:
                 os.killpg(p.pid, signal.SIGKILL)
 
 
+def publish_one(publisher, model, version: int, trainer, fleet: "Fleet", names: list[str], args,
+                hide_path: bool = False) -> tuple[float, float, list[dict]]:
+    """Step, snapshot, publish one version. Seconds from the start of publishing and from the PUBLISH request
+    until every explorer in `names` loaded it, and their lines."""
+    adam_like_step(model, args.lr, args.generator)
+    snapshot = publisher.snapshot(model)
+    started = time.time()
+    state = publisher.publish(snapshot, version, version - 1)
+    if hide_path:  # as on a separate host: the explorers cannot read the trainer's directory, so they fetch
+        state["location"] = "/separate-host" + state["location"]
+    announced = time.time()
+    trainer.request("PUBLISH", state)
+    deadline = time.monotonic() + 180
+    while not all(fleet.loaded_at(n, version) for n in names):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"version {version} was not loaded by all of {names}; see {fleet.logs}")
+        time.sleep(0.1)  # the explorers' lines carry the time; polling often would take CPU from the weight server
+    loads = [fleet.loaded_at(n, version) for n in names]
+    done = max(e["ts"] for e in loads)
+    return done - started, done - announced, loads
+
+
+def median(values: list[float]) -> float | None:
+    return round(statistics.median(values), 3) if values else None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--versions", type=int, default=3, help="versions timed per method and K")
     ap.add_argument("--model", default="smollm2-135m", help="bundled model name or a model directory")
-    ap.add_argument("--max-k", type=int, default=2, help="explorers at the most (1 or 2)")
+    ap.add_argument("--max-k", type=int, default=4, choices=(1, 2, 4), help="explorers at the most")
+    ap.add_argument("--lr", type=float, default=1e-5, help="the size of each simulated Adam step")
+    ap.add_argument("--fetch-dir", default="", help="where explorers keep fetched versions (default: their run "
+                                                     "directory, on the disk the trainer writes to as well)")
+    ap.add_argument("--keep", action="store_true", help="keep the run directory (weights, logs) after the run")
     ap.add_argument("--smoke", action="store_true", help="one version per method, one explorer")
     args = ap.parse_args()
     if args.smoke:
         args.versions, args.max_k = 1, 1
+
+    import shutil
 
     import torch
     from transformers import AutoModelForCausalLM
 
     from rlbus.common.client import BrokerClient
     from rlbus.common.config import load_config
-    from rlbus.weights.models import resolve_model
     from rlbus.weights.broadcaster import BroadcastSender
     from rlbus.weights.checkpoint import CheckpointSender
+    from rlbus.weights.models import resolve_model
+    from rlbus.weights.server import WeightServer
 
+    args.generator = torch.Generator().manual_seed(0)
     model_dir = resolve_model(args.model)
     root = Path(tempfile.mkdtemp(prefix="rlbus-wsync-"))
     logs = root / "logs"
@@ -165,63 +252,79 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     files = CheckpointSender(root / "weights", model_dir, dtype=torch.bfloat16)
     pub = BroadcastSender(cfg, files, dtype=torch.bfloat16)
+    server = WeightServer(root / "served", deltas=False).start()
+    served = CheckpointSender(root / "served", model_dir, dtype=torch.bfloat16, server=server)
+    publishers = {"broadcast": pub, "checkpoint": files, "network_full": served, "network_delta": served}
     results: dict = {}
     with broker_process(sets, root / "buffer"):
         trainer = BrokerClient(f"tcp://127.0.0.1:{port}", "trainer", "bench", heartbeat_interval_s=0.5)
         trainer.start(30)
         pub.attach(trainer)
-        fleet = Fleet(f"tcp://127.0.0.1:{port}", pub_port, args.model, logs)
+        fleet = Fleet(f"tcp://127.0.0.1:{port}", pub_port, args.model, logs, args.fetch_dir)
         version = 0
         try:
-            for k in range(1, args.max_k + 1):
-                fleet.add(f"explorer-{k}")
+            for k in (1, 2, 4):
+                if k > args.max_k:
+                    break
+                while len(fleet.procs) < k:
+                    fleet.add(f"explorer-{len(fleet.procs) + 1}")
                 names = [f"explorer-{i}" for i in range(1, k + 1)]
                 deadline = time.monotonic() + 300
                 while not set(names) <= {p["name"] for p in trainer.request("STATUS").header["peers"]}:
                     if time.monotonic() > deadline or any(p.poll() is not None for p in fleet.procs):
                         raise RuntimeError(f"explorers did not connect; see {logs}")
                     time.sleep(0.2)
-                time.sleep(3)  # let the newcomer load the current version and settle into waiting
-                row: dict = {"broadcast": [], "checkpoint": [], "reload": []}
-                for method in ("broadcast", "checkpoint"):
-                    publisher = pub if method == "broadcast" else files
+                time.sleep(3)  # let the newcomers load the current version and settle into waiting
+                row: dict = {m: [] for m in publishers} | {"reload": [], "net_reload": [], "share": [],
+                                                           "apply": [], "cpu": []}
+                for method, publisher in publishers.items():
+                    network = method.startswith("network")
+                    server.deltas = method == "network_delta"
                     for _ in range(args.versions):
                         version += 1
-                        with torch.no_grad():
-                            model.model.norm.weight.add_(1e-3)
-                        snapshot = publisher.snapshot(model)
-                        started = time.time()
-                        state = publisher.publish(snapshot, version, version - 1)
-                        trainer.request("PUBLISH", state)
-                        deadline = time.monotonic() + 120
-                        while not all(fleet.loaded_at(n, version) for n in names):
-                            if time.monotonic() > deadline:
-                                raise RuntimeError(f"version {version} was not loaded by all of {names}; see {logs}")
-                            time.sleep(0.01)
-                        events = [fleet.loaded_at(n, version) for n in names]
-                        row[method].append(max(e["ts"] for e in events) - started)
+                        cpu = server.cpu_s
+                        seconds, after_publish, loads = publish_one(publisher, model, version, trainer, fleet, names, args,
+                                                     hide_path=network)
+                        row[method].append(seconds)
+                        row.setdefault(method + "_from_publish", []).append(after_publish)
                         if method == "broadcast":
-                            row["reload"] += [e["reload_s"] for e in events if "reload_s" in e]
-                        print(f"K={k} {method} v{version}: {row[method][-1]:.3f} s", file=sys.stderr, flush=True)
+                            row["reload"] += [e["reload_s"] for e in loads if "reload_s" in e]
+                        if network:
+                            row["net_reload"] += [e["reload_s"] for e in loads if "reload_s" in e]
+                            row["cpu"].append(server.cpu_s - cpu)
+                            fetches = [fleet.loaded_at(n, version, "weights_fetched") for n in names]
+                            if method == "network_delta":
+                                row["share"] += [f["bytes"] / f["version_bytes"] for f in fetches if f["base"]]
+                                row["apply"] += [f["apply_s"] for f in fetches if f["base"]]
+                        print(f"K={k} {method} v{version}: {seconds:.3f} s", file=sys.stderr, flush=True)
                         time.sleep(2)  # the explorer that got the batch finishes its rollout
                 layout, buckets = pub.layout, pub.snapshot(model)[1]
+                version_bytes = sum(f.stat().st_size for f in (root / "served" / f"v{version}").iterdir())
                 bare = bare_broadcast(layout, buckets, k)
-                fig = {"broadcast_sync_s": round(statistics.median(row["broadcast"]), 3),
-                       "checkpoint_sync_s": round(statistics.median(row["checkpoint"]), 3),
-                       "bare_broadcast_s": round(bare, 3),
-                       "reload_s": round(statistics.median(row["reload"]), 3),
-                       "memcpy_s": round(memcpy(buckets), 3), "bytes": layout.nbytes,
-                       "broadcast_runs_s": [round(x, 3) for x in row["broadcast"]],
-                       "checkpoint_runs_s": [round(x, 3) for x in row["checkpoint"]]}
+                fig = {m + "_sync_s": median(row[m]) for m in publishers}
+                fig |= {m + "_from_publish_s": median(row[m + "_from_publish"]) for m in publishers if "network" in m}
+                fig |= {"bare_broadcast_s": round(bare, 3), "reload_s": median(row["reload"]),
+                        "memcpy_s": round(memcpy(buckets), 3), "bytes": layout.nbytes, "version_bytes": version_bytes,
+                        "loopback_mb_s": round(loopback_mb_s(version_bytes), 1),
+                        "delta_bytes_share": round(statistics.median(row["share"]), 4) if row["share"] else None,
+                        "delta_apply_s": median(row["apply"]), "server_cpu_s": median(row["cpu"])}
+                fig["network_floor_s"] = round(version_bytes / 1e6 / fig["loopback_mb_s"] + median(row["net_reload"]), 3)
                 fig["ratio"] = round(fig["broadcast_sync_s"] / (fig["bare_broadcast_s"] + fig["reload_s"]), 3)
+                fig["network_ratio"] = round(fig["network_full_from_publish_s"] / fig["network_floor_s"], 3)
+                fig |= {m + "_runs_s": [round(x, 3) for x in row[m]] for m in publishers}
                 print(f"K={k}: {json.dumps(fig)}", flush=True)
                 results[k] = fig
         finally:
             fleet.stop()
             trainer.close(bye=True)
             pub.close()
+            served.close()
     out = dict(results[1])
-    out["k2"] = results.get(2)
+    out["k2"], out["k4"] = results.get(2), results.get(4)
+    if not args.keep:  # (kept when the run failed: its logs say why)
+        shutil.rmtree(root, ignore_errors=True)
+        if args.fetch_dir:
+            shutil.rmtree(args.fetch_dir, ignore_errors=True)
     print(json.dumps(out))
 
 

@@ -133,6 +133,8 @@ class SyncConfig(Section):
     """The host explorers dial for weights (default: serve_host, or this machine's hostname for 0.0.0.0)."""
     serve_authorized_dir: str = ""
     """With CurveZMQ on: the client public keys the weight server admits (default: broker.curve_authorized_dir)."""
+    serve_deltas: bool = True
+    """Send an explorer that holds a recent version only what changed (zstd XOR); off: always whole versions."""
     serve_chunk_mb: float = Field(4.0, gt=0, le=64)
     """Weights travel in chunks of this size, each checked on arrival."""
 

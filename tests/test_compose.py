@@ -54,3 +54,15 @@ def test_explorers_scale_without_fixed_names():
     spec = services("docker-compose.yml")["explorer"]
     assert "container_name" not in spec and "--name" not in spec["command"]
     assert "RLBUS_EXPLORER__NAME" not in spec["environment"]
+
+
+def test_trainer_and_explorers_share_no_volume_and_explorers_learn_where_to_fetch():
+    found = services("docker-compose.yml")
+    mounts = {name: {v.split(":")[0] for v in spec.get("volumes", [])} for name, spec in found.items()}
+    assert not mounts["explorer"] and mounts["trainer"] and not mounts["trainer"] & mounts["broker"]
+    env = {k: str(v) for k, v in found["trainer"]["environment"].items()}
+    cfg = load_config(REPO / "configs" / "arith.yaml", [], environ=env)
+    assert cfg.sync.serve and cfg.sync.serve_host == "0.0.0.0" and cfg.sync.serve_port == 5557
+    from rlbus.weights.server import advertised
+
+    assert advertised(cfg.sync.serve_host, cfg.sync.serve_advertise, cfg.sync.serve_port) == "tcp://trainer:5557"

@@ -91,8 +91,6 @@ def apply_delta(base: str | Path, delta: str | Path, out: str | Path) -> int:
                 raise ValueError(f"delta {delta} is longer than its base {base} ({size} bytes)")
             fo.write(np.bitwise_xor(np.frombuffer(a, np.uint8), np.frombuffer(x, np.uint8)).data)
             written += len(x)
-        fo.flush()
-        os.fsync(fo.fileno())
     if written != size:
         raise ValueError(f"delta {delta} covers {written} bytes, its base {base} has {size}")
     return written

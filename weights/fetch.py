@@ -49,6 +49,7 @@ class Fetched:
     seconds: float
     bad_chunks: int = 0
     resent: int = 0
+    apply_s: float = 0.0  # applying the deltas (decompress, XOR, write)
 
 
 @dataclass
@@ -92,20 +93,23 @@ class _Transfer:
         except zmq.Again:
             pass
 
-    def receive(self) -> tuple[Any, bytes, dict[str, Any], bytes | None]:
+    def receive(self) -> tuple[Any, bytes, dict[str, Any], memoryview | None]:
         """The next reply to an outstanding request: (its tag, command, header, data frame)."""
         waited_from = time.monotonic()
         while True:
             if self.sock.poll(int(self.retry_s * 1000)):
-                frames = self.sock.recv_multipart()
-                if len(frames) < 3 or frames[0] != MAGIC:
+                frames = self.sock.recv_multipart(copy=False)  # the chunk is hashed and written from zmq's buffer
+                if len(frames) < 3 or frames[0].bytes != MAGIC:
                     continue
-                header = P.unpack(frames[2])
-                entry = self.outstanding.pop(header.get("req"), None)
+                try:
+                    header = P.unpack(frames[2].bytes)
+                    entry = self.outstanding.pop(header.get("req"), None)
+                except Exception:  # not a reply of this protocol: ignored like any stray message
+                    continue
                 if entry is None:
                     continue  # an answer to a request already asked again
                 self.progress_at = time.monotonic()
-                return entry[2], frames[1], header, frames[3] if len(frames) > 3 else None
+                return entry[2], frames[1].bytes, header, frames[3].buffer if len(frames) > 3 else None
             now = time.monotonic()
             if now - self.progress_at > self.timeout_s:
                 raise FetchFailed(f"no reply from the weight server at {self.address} for {self.timeout_s:.0f} s")
@@ -139,7 +143,8 @@ def _prepare(files: list[dict[str, Any]], work: Path, base: Base | None, chunk_b
         name = entry["name"]
         local = work / (name + ".zst" if "delta" in entry else name)
         base_file = base.path / name if base is not None else None
-        if "delta" not in entry and base_file is not None and base_file.is_file() \
+        # Files other than weights (config, tokenizer) rarely change: take them from the base when they match.
+        if "delta" not in entry and not name.endswith(".safetensors") and base_file is not None and base_file.is_file() \
                 and base_file.stat().st_size == entry["size"] and chunk_hashes(base_file, chunk_bytes)[1] == entry["xxh"]:
             shutil.copyfile(base_file, work / name)
             continue
@@ -187,7 +192,7 @@ def fetch_version(address: str, version: int, digest: str, dest: str | Path, bas
             (fi, ci), command, header, data = t.receive()
             if command == ERROR:
                 raise FetchFailed(f"v{version} from {address}: {header.get('code')}: {header.get('message')}")
-            received += len(data or b"")
+            received += len(data) if data is not None else 0
             if data is None or xxhash.xxh3_64_intdigest(data) != files[fi]["chunks"][ci]:
                 bad += 1
                 log.warning("weights_chunk_refused", policy_version=version, file=files[fi]["name"], chunk=ci)
@@ -200,19 +205,19 @@ def fetch_version(address: str, version: int, digest: str, dest: str | Path, bas
                 on_chunk(total - len(todo) - len(t.outstanding), total)
     finally:
         t.close()
+    applying = time.monotonic()
     for entry in files:
         if "delta" in entry:
             blob = work / (entry["name"] + ".zst")
             apply_delta(base.path / entry["name"], blob, work / entry["name"])
             blob.unlink()
+    apply_s = time.monotonic() - applying
     ok, actual = matches(work, manifest["digest"])
     if not ok:
         shutil.rmtree(work, ignore_errors=True)
         raise FetchFailed(f"v{version} assembled from {address} has digest {actual}, expected {manifest['digest']}")
-    for file in work.iterdir():
-        with open(file, "rb") as f:
-            os.fsync(f.fileno())
+    # Not fsynced: a copy torn by a crash fails its digest when it is next used, and is fetched again.
     shutil.rmtree(final, ignore_errors=True)
     os.rename(work, final)
     return Fetched(final, version, manifest.get("base"), received, sum(f["size"] for f in files),
-                   time.monotonic() - started, bad, t.resent)
+                   time.monotonic() - started, bad, t.resent, apply_s)

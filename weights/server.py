@@ -81,8 +81,9 @@ def advertised(bind_host: str, advertise: str, port: int) -> str:
 
 class WeightServer:
     def __init__(self, weights_dir: str | Path, host: str = "127.0.0.1", port: int = 0, advertise: str = "",
-                 chunk_bytes: int = 4 << 20, curve: tuple[str, str] | None = None):
+                 chunk_bytes: int = 4 << 20, curve: tuple[str, str] | None = None, deltas: bool = True):
         self.dir = Path(weights_dir)
+        self.deltas = deltas  # off: every version is served whole
         self.dir.mkdir(parents=True, exist_ok=True)
         self.chunk_bytes = chunk_bytes
         self.ctx = zmq.Context()
@@ -112,6 +113,7 @@ class WeightServer:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.served_bytes = 0
+        self.cpu_s = 0.0  # CPU time of the serving and builder threads: what serving takes from the trainer
 
     # ---- lifecycle ----------------------------------------------------------
 
@@ -134,7 +136,10 @@ class WeightServer:
     def serve(self) -> None:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
+        last = time.thread_time()
         while not self._stop.is_set():
+            now = time.thread_time()
+            self.cpu_s, last = self.cpu_s + now - last, now
             if poller.poll(20 if self._waiting else 200):
                 for _ in range(64):
                     try:
@@ -213,7 +218,7 @@ class WeightServer:
     # ---- manifests and deltas (builder thread) -----------------------------------
 
     def _manifest(self, version: int, base: int | None, base_digest: str) -> Future:
-        if base is not None and (base >= version or not base_digest):
+        if base is not None and (base >= version or not base_digest or not self.deltas):
             base = None
         # A version directory replaced under the same number (a restarted trainer) gets a new manifest.
         key = (version, self._stamp(version), base, base_digest if base is not None else "")
@@ -248,6 +253,13 @@ class WeightServer:
         return self._digests[key]
 
     def _build(self, version: int, base: int | None, base_digest: str) -> dict[str, Any]:
+        cpu = time.thread_time()
+        try:
+            return self._build_manifest(version, base, base_digest)
+        finally:
+            self.cpu_s += time.thread_time() - cpu
+
+    def _build_manifest(self, version: int, base: int | None, base_digest: str) -> dict[str, Any]:
         started = time.monotonic()
         target = self._version_dir(version)
         base_dir = None

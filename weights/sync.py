@@ -83,7 +83,7 @@ def make_server(cfg, weights_dir: str | Path):
     if b.curve_client_key:  # the trainer's own key pair makes it a CURVE server; clients learn its key on the bus
         curve = (b.curve_client_key, s.serve_authorized_dir or b.curve_authorized_dir)
     return WeightServer(weights_dir, s.serve_host, s.serve_port, s.serve_advertise,
-                        chunk_bytes=int(s.serve_chunk_mb * (1 << 20)), curve=curve).start()
+                        chunk_bytes=int(s.serve_chunk_mb * (1 << 20)), curve=curve, deltas=s.serve_deltas).start()
 
 
 def checkpoint_source(path: str | Path) -> dict[str, Any]:
@@ -173,9 +173,10 @@ class Receiver:
         else:
             return False
         log.info("weights_fetched", policy_version=version, base=got.base, bytes=got.received_bytes,
-                 version_bytes=got.version_bytes, seconds=round(got.seconds, 3), bad_chunks=got.bad_chunks,
+                 version_bytes=got.version_bytes, seconds=round(got.seconds, 3), apply_s=round(got.apply_s, 3),
+                 bad_chunks=got.bad_chunks,
                  resent=got.resent)
-        load_checkpoint(engine, got.path, state["digest"], version)
+        engine.reload(checkpoint_source(got.path), version)  # fetch_version checked the digest
         self._hold(state, got.path)
         self._prune(keep=got.path)
         return True
