@@ -138,6 +138,10 @@ def _manifest(t: _Transfer, version: int, base: Base | None) -> dict[str, Any]:
 
 def _prepare(files: list[dict[str, Any]], work: Path, base: Base | None, chunk_bytes: int) -> list[tuple[int, int]]:
     """Copy what the base already has, keep chunks a previous attempt left; the (file, chunk) pairs still to get."""
+    expected = {e["name"] + (".zst" if "delta" in e else "") for e in files}
+    for stale in work.iterdir():  # left by an attempt against another manifest (whole where this one is a delta)
+        if stale.name not in expected:
+            stale.unlink()
     todo = []
     for fi, entry in enumerate(files):
         name = entry["name"]

@@ -45,6 +45,7 @@ log = structlog.get_logger()
 MAGIC = b"rlbus-weights/1"
 MANIFEST, CHUNK, ERROR = b"MANIFEST", b"CHUNK", b"ERROR"
 MAX_REQUEST_BYTES = 64 << 10
+MAX_WAITING = 4096  # requests held while their manifest is built
 DELTAS = ".deltas"
 
 
@@ -90,7 +91,7 @@ class WeightServer:
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.linger = 0
         self.sock.maxmsgsize = MAX_REQUEST_BYTES
-        self.sock.sndhwm = 64
+        self.sock.sndhwm = 16  # chunk replies queued per client: a client that stops reading holds 64 MB at most
         self.auth = None
         self.public_key = ""
         if curve:  # (this host's secret key file, directory of admitted client keys)
@@ -101,10 +102,18 @@ class WeightServer:
             self.auth = load_server_auth(self.ctx, curve[0], curve[1], [self.sock])
             self.public_key = load_certificate(curve[0])[0].decode()
         bind_host = "*" if host in ("0.0.0.0", "*", "") else host
-        if port:
-            self.sock.bind(f"tcp://{bind_host}:{port}")
-        else:
-            port = self.sock.bind_to_random_port(f"tcp://{bind_host}")
+        try:
+            if port:
+                self.sock.bind(f"tcp://{bind_host}:{port}")
+            else:
+                port = self.sock.bind_to_random_port(f"tcp://{bind_host}")
+        except zmq.ZMQError as exc:
+            if self.auth is not None:
+                self.auth.stop()
+            self.sock.close(0)
+            self.ctx.term()
+            raise OSError(f"the weight server cannot listen on {host}:{port or 'a free port'} "
+                          f"(sync.serve_host, sync.serve_port): {exc}") from exc
         self.address = advertised(host, advertise, port)
         self._builder = ThreadPoolExecutor(1, thread_name_prefix="weights-builder")
         self._manifests: dict[tuple, Future] = {}
@@ -146,15 +155,14 @@ class WeightServer:
                         frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
-                    self._on_request([f.bytes for f in frames[:4]] if len(frames) <= 4 else [b""])
+                    self._on_request([f.bytes for f in frames[:5]])
             self._answer_ready()
 
     # ---- requests -------------------------------------------------------------
 
     def _on_request(self, frames: list[bytes]) -> None:
         if len(frames) != 4 or frames[1] != MAGIC:
-            if len(frames) >= 2:
-                self._error(frames[0], None, "bad_request", f"expected [{MAGIC.decode()}, command, header]")
+            self._error(frames[0], None, "bad_request", f"expected [{MAGIC.decode()}, command, header]")
             return
         ident, _, command, header = frames
         try:
@@ -167,6 +175,9 @@ class WeightServer:
             return
         if request.version < 0 or (request.base is not None and request.base < 0):
             self._error(ident, request.req, "bad_request", "versions are not negative")
+            return
+        if len(self._waiting) >= MAX_WAITING:
+            self._error(ident, request.req, "busy", "too many requests wait for a manifest; ask again later")
             return
         future = self._manifest(request.version, request.base, request.base_digest)
         self._waiting.append((future, ident, command, request))

@@ -160,7 +160,7 @@ class Receiver:
     def _fetch(self, engine: Engine, state: dict[str, Any]) -> bool:
         from rlbus.weights.fetch import FetchFailed, fetch_version
 
-        version, base = state["version"], self.held
+        version, base = state["version"], self.held or self._kept()
         for attempt in (base, None) if base is not None else (None,):
             try:
                 got = fetch_version(state["fetch_from"], version, state["digest"], self.fetch_dir, attempt,
@@ -180,6 +180,20 @@ class Receiver:
         self._hold(state, got.path)
         self._prune(keep=got.path)
         return True
+
+    def _kept(self):
+        """After a restart: the newest version fetched before, as a delta base (the server checks its digest)."""
+        from rlbus.weights.digest import weights_digest
+        from rlbus.weights.fetch import Base
+
+        kept = sorted((int(p.name[1:]), p) for p in self.fetch_dir.glob("v*") if p.name[1:].isdigit()) \
+            if self.fetch_dir.is_dir() else []
+        for version, path in reversed(kept):
+            try:
+                return Base(version, path, weights_digest(path))
+            except FileNotFoundError:
+                continue
+        return None
 
     def _prune(self, keep: Path) -> None:
         for path in self.fetch_dir.glob("v*"):

@@ -329,3 +329,65 @@ def test_the_receiver_reads_the_path_when_it_can_and_fetches_deltas_when_it_cann
     state = state_of(server, root, digests, 2, location=gone)
     del state["fetch_from"]
     assert not Receiver("e3", tmp_path / "f3").load(engine3, state) and engine3.version == 0
+
+
+def test_a_port_in_use_is_a_clear_error(served, tmp_path):
+    server, _, _ = served
+    port = int(server.address.rsplit(":", 1)[1])
+    with pytest.raises(OSError, match="sync.serve_port"):
+        WeightServer(tmp_path / "other", port=port)
+
+
+def test_the_trainer_announces_its_weight_server_and_what_it_publishes_can_be_fetched(tiny_model, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from rlbus.common.config import load_config
+    from rlbus.weights.sync import make_sender
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    sender = make_sender(load_config(None, ["rollout.dtype=bfloat16"], environ={}), tmp_path / "weights", tiny_model)
+    try:
+        state = sender.publish(sender.snapshot(model), 1, 0)
+        assert state["fetch_from"] == sender.server.address and state["fetch_from"].startswith("tcp://127.0.0.1:")
+        got = fetch_version(state["fetch_from"], 1, state["digest"], tmp_path / "explorer")
+        assert same_files(got.path, Path(state["location"]))
+    finally:
+        sender.close()
+    off = make_sender(load_config(None, ["sync.serve=false"], environ={}), tmp_path / "w2", tiny_model)
+    assert off.server is None and "fetch_from" not in off.publish(off.snapshot(model), 1, 0)
+
+
+def test_a_restarted_explorer_takes_deltas_against_the_version_it_fetched_before(served, tmp_path):
+    from rlbus.weights.sync import Receiver
+
+    server, root, digests = served
+    elsewhere = tmp_path / "not-here"
+    first = Receiver("e", tmp_path / "fetched")
+    assert first.load(RecordingEngine(), state_of(server, root, digests, 2, location=elsewhere / "v2"))
+    before = server.served_bytes
+    restarted, engine = Receiver("e", tmp_path / "fetched"), RecordingEngine()
+    engine.version = 2
+    assert restarted.load(engine, state_of(server, root, digests, 3, location=elsewhere / "v3"))
+    assert server.served_bytes - before < 0.25 * (root / "v3" / "model.safetensors").stat().st_size
+    assert same_files(tmp_path / "fetched" / "v3", root / "v3")
+
+
+class BroadcastFailsEngine(RecordingEngine):
+    def reload(self, source: dict, version: int) -> dict:
+        if source["method"] == "nccl":
+            raise TimeoutError("the epoch was aborted")
+        return super().reload(source, version)
+
+
+def test_a_broadcast_member_that_misses_a_version_fetches_it(served, tmp_path):
+    from rlbus.weights.sync import Receiver
+
+    server, root, digests = served
+    engine, receiver = BroadcastFailsEngine(), Receiver("member", tmp_path / "fetched")
+    state = state_of(server, root, digests, 2, location=tmp_path / "not-here" / "v2")
+    announcement = {"epoch": 1, "backend": "gloo", "address": "127.0.0.1:1", "world": 2, "ranks": {"member": 1},
+                    "version": 2, "digest": digests[2], "timeout_s": 1.0}
+    assert not receiver.load(engine, {**state, "location": "", "broadcast": announcement})  # checkpoint follows
+    assert receiver.failed == {2} and engine.version == 0
+    assert receiver.load(engine, state)
+    assert engine.sources[-1] == {"method": "checkpoint", "path": str(tmp_path / "fetched" / "v2")}
