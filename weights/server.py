@@ -122,7 +122,12 @@ class WeightServer:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.served_bytes = 0
-        self.cpu_s = 0.0  # CPU time of the serving and builder threads: what serving takes from the trainer
+        self._serve_cpu = self._build_cpu = 0.0  # each thread adds to its own
+
+    @property
+    def cpu_s(self) -> float:
+        """CPU time of the serving and builder threads: what serving takes from the trainer."""
+        return self._serve_cpu + self._build_cpu
 
     # ---- lifecycle ----------------------------------------------------------
 
@@ -148,15 +153,22 @@ class WeightServer:
         last = time.thread_time()
         while not self._stop.is_set():
             now = time.thread_time()
-            self.cpu_s, last = self.cpu_s + now - last, now
+            self._serve_cpu, last = self._serve_cpu + now - last, now
             if poller.poll(20 if self._waiting else 200):
                 for _ in range(64):
                     try:
                         frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
-                    self._on_request([f.bytes for f in frames[:5]])
-            self._answer_ready()
+                    try:
+                        self._on_request([f.bytes for f in frames[:5]])
+                    except Exception:  # a bug or an unreadable file costs one request, never the server
+                        log.exception("weights_request_failed")
+            try:
+                self._answer_ready()
+            except Exception:
+                log.exception("weights_request_failed")
+                self._waiting = [w for w in self._waiting if not w[0].done()]
 
     # ---- requests -------------------------------------------------------------
 
@@ -268,7 +280,7 @@ class WeightServer:
         try:
             return self._build_manifest(version, base, base_digest)
         finally:
-            self.cpu_s += time.thread_time() - cpu
+            self._build_cpu += time.thread_time() - cpu
 
     def _build_manifest(self, version: int, base: int | None, base_digest: str) -> dict[str, Any]:
         started = time.monotonic()
