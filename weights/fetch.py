@@ -39,6 +39,10 @@ class FetchFailed(Exception):
     """A version could not be fetched (server unreachable past the timeout, version gone, bad digest)."""
 
 
+class DeltaFailed(FetchFailed):
+    """The deltas did not give the announced version (a base that is not what it claims): fetch it whole."""
+
+
 @dataclass
 class Fetched:
     path: Path
@@ -213,13 +217,18 @@ def fetch_version(address: str, version: int, digest: str, dest: str | Path, bas
     for entry in files:
         if "delta" in entry:
             blob = work / (entry["name"] + ".zst")
-            apply_delta(base.path / entry["name"], blob, work / entry["name"])
+            try:
+                apply_delta(base.path / entry["name"], blob, work / entry["name"])
+            except (ValueError, OSError) as exc:  # zstd errors are ValueErrors too
+                shutil.rmtree(work, ignore_errors=True)
+                raise DeltaFailed(f"the delta for {entry['name']} does not apply to v{base.version}: {exc}") from exc
             blob.unlink()
     apply_s = time.monotonic() - applying
     ok, actual = matches(work, manifest["digest"])
     if not ok:
         shutil.rmtree(work, ignore_errors=True)
-        raise FetchFailed(f"v{version} assembled from {address} has digest {actual}, expected {manifest['digest']}")
+        failure = DeltaFailed if manifest.get("base") is not None else FetchFailed
+        raise failure(f"v{version} assembled from {address} has digest {actual}, expected {manifest['digest']}")
     # Not fsynced: a copy torn by a crash fails its digest when it is next used, and is fetched again.
     shutil.rmtree(final, ignore_errors=True)
     os.rename(work, final)

@@ -26,6 +26,7 @@ engine knows nothing else about weight sync.
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 from typing import Any, Iterator, Protocol
 
@@ -103,6 +104,9 @@ def load_checkpoint(engine: Engine, path: str | Path, digest: str, version: int)
     return engine.reload(checkpoint_source(path), version)
 
 
+RETRY_S = 2.0  # a fetch that failed is tried again after this long
+
+
 class Receiver:
     """An explorer's side of weight sync, for any method (see the module docstring).
 
@@ -120,6 +124,7 @@ class Receiver:
         self.client_secret_file = client_secret_file
         self.failed: set[int] = set()  # versions whose broadcast failed here: they come by checkpoint or fetch
         self.held = None  # fetch.Base of the version the engine holds, when it is held as files
+        self._retry_at: dict[int, float] = {}  # version -> when a failed fetch of it may be tried again
 
     def load(self, engine: Engine, state: dict[str, Any] | None) -> bool:
         """Bring `engine` to the version of the weight state `state`; True if it loaded it."""
@@ -158,19 +163,25 @@ class Receiver:
         self.held = Base(state["version"], path, state["digest"])
 
     def _fetch(self, engine: Engine, state: dict[str, Any]) -> bool:
-        from rlbus.weights.fetch import FetchFailed, fetch_version
+        from rlbus.weights.fetch import DeltaFailed, FetchFailed, fetch_version
 
-        version, base = state["version"], self.held or self._kept()
-        for attempt in (base, None) if base is not None else (None,):
+        version = state["version"]
+        if time.monotonic() < self._retry_at.get(version, 0.0):
+            return False  # it failed a moment ago: the caller asks again, the server is not flooded
+        base = self.held or self._kept()
+        try:
             try:
-                got = fetch_version(state["fetch_from"], version, state["digest"], self.fetch_dir, attempt,
+                got = fetch_version(state["fetch_from"], version, state["digest"], self.fetch_dir, base,
                                     server_key=state.get("fetch_key", ""), client_secret_file=self.client_secret_file,
                                     timeout_s=self.fetch_timeout_s)
-                break
-            except FetchFailed as exc:
-                log.warning("weights_fetch_failed", policy_version=version, base=attempt and attempt.version,
-                            error=str(exc)[:300])
-        else:
+            except DeltaFailed as exc:
+                log.warning("weights_delta_failed", policy_version=version, base=base.version, error=str(exc)[:300])
+                got = fetch_version(state["fetch_from"], version, state["digest"], self.fetch_dir, None,
+                                    server_key=state.get("fetch_key", ""), client_secret_file=self.client_secret_file,
+                                    timeout_s=self.fetch_timeout_s)
+        except (FetchFailed, OSError) as exc:
+            self._retry_at[version] = time.monotonic() + RETRY_S
+            log.warning("weights_fetch_failed", policy_version=version, error=str(exc)[:300], retry_in_s=RETRY_S)
             return False
         log.info("weights_fetched", policy_version=version, base=got.base, bytes=got.received_bytes,
                  version_bytes=got.version_bytes, seconds=round(got.seconds, 3), apply_s=round(got.apply_s, 3),

@@ -391,3 +391,20 @@ def test_a_broadcast_member_that_misses_a_version_fetches_it(served, tmp_path):
     assert receiver.failed == {2} and engine.version == 0
     assert receiver.load(engine, state)
     assert engine.sources[-1] == {"method": "checkpoint", "path": str(tmp_path / "fetched" / "v2")}
+
+
+def test_a_base_that_is_not_what_it_claims_gets_the_whole_version(served, tmp_path):
+    from rlbus.weights.sync import Receiver
+
+    server, root, digests = served
+    elsewhere = tmp_path / "not-here"
+    receiver, engine = Receiver("e", tmp_path / "fetched"), RecordingEngine()
+    assert receiver.load(engine, state_of(server, root, digests, 2, location=elsewhere / "v2"))
+    held = tmp_path / "fetched" / "v2" / "model.safetensors"
+    data = bytearray(held.read_bytes())
+    data[-100] ^= 0xFF  # the local copy rots after it was checked
+    held.write_bytes(bytes(data))
+    before = server.served_bytes
+    assert receiver.load(engine, state_of(server, root, digests, 3, location=elsewhere / "v3"))
+    assert server.served_bytes - before >= (root / "v3" / "model.safetensors").stat().st_size  # whole, after the delta
+    assert same_files(tmp_path / "fetched" / "v3", root / "v3")
