@@ -243,6 +243,8 @@ class WeightServer:
     def _manifest(self, version: int, base: int | None, base_digest: str) -> Future:
         if base is not None and (base >= version or not base_digest or not self.deltas):
             base = None
+        if base is not None and self._digests.get((base, self._stamp(base)), base_digest) != base_digest:
+            base = None  # a base this server holds other bytes for: the whole version, under one key for all such
         # A version directory replaced under the same number (a restarted trainer) gets a new manifest.
         key = (version, self._stamp(version), base, base_digest if base is not None else "")
         future = self._manifests.get(key)
