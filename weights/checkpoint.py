@@ -96,9 +96,15 @@ class CheckpointSender:
 
     def _prune(self, newest: int) -> None:
         # Explorers may still be loading a recent version: keep a few.
-        for path in self.dir.glob("v*"):
-            if path.name[1:].isdigit() and int(path.name[1:]) <= newest - self.keep:
+        for version, path in version_dirs(self.dir):
+            if version <= newest - self.keep:
                 shutil.rmtree(path, ignore_errors=True)
+
+
+def version_dirs(directory: str | Path) -> list[tuple[int, Path]]:
+    """The published versions under `directory` (`v{N}/`), oldest first."""
+    found = [(int(p.name[1:]), p) for p in Path(directory).glob("v*") if p.name[1:].isdigit() and p.is_dir()]
+    return sorted(found)
 
 
 def checkpoint_tensors(path: str | Path, info: dict[str, Any]) -> Iterator[tuple[str, Any]]:

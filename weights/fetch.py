@@ -140,16 +140,21 @@ def _manifest(t: _Transfer, version: int, base: Base | None) -> dict[str, Any]:
     return header
 
 
+def _received_name(entry: dict[str, Any]) -> str:
+    """What a manifest entry's chunks are written to: the file itself, or its delta."""
+    return entry["name"] + ".zst" if "delta" in entry else entry["name"]
+
+
 def _prepare(files: list[dict[str, Any]], work: Path, base: Base | None, chunk_bytes: int) -> list[tuple[int, int]]:
     """Copy what the base already has, keep chunks a previous attempt left; the (file, chunk) pairs still to get."""
-    expected = {e["name"] + (".zst" if "delta" in e else "") for e in files}
+    expected = {_received_name(e) for e in files}
     for stale in work.iterdir():  # left by an attempt against another manifest (whole where this one is a delta)
         if stale.name not in expected:
             stale.unlink()
     todo = []
     for fi, entry in enumerate(files):
         name = entry["name"]
-        local = work / (name + ".zst" if "delta" in entry else name)
+        local = work / _received_name(entry)
         base_file = base.path / name if base is not None else None
         # Files other than weights (config, tokenizer) rarely change: take them from the base when they match.
         if "delta" not in entry and not name.endswith(".safetensors") and base_file is not None and base_file.is_file() \
@@ -206,8 +211,7 @@ def fetch_version(address: str, version: int, digest: str, dest: str | Path, bas
                 log.warning("weights_chunk_refused", policy_version=version, file=files[fi]["name"], chunk=ci)
                 todo.append((fi, ci))
                 continue
-            entry = files[fi]
-            with open(work / (entry["name"] + ".zst" if "delta" in entry else entry["name"]), "r+b") as f:
+            with open(work / _received_name(files[fi]), "r+b") as f:
                 os.pwrite(f.fileno(), data, ci * chunk_bytes)
             if on_chunk is not None:
                 on_chunk(total - len(todo) - len(t.outstanding), total)
@@ -216,7 +220,7 @@ def fetch_version(address: str, version: int, digest: str, dest: str | Path, bas
     applying = time.monotonic()
     for entry in files:
         if "delta" in entry:
-            blob = work / (entry["name"] + ".zst")
+            blob = work / _received_name(entry)
             try:
                 apply_delta(base.path / entry["name"], blob, work / entry["name"])
             except (ValueError, OSError) as exc:  # zstd errors are ValueErrors too

@@ -37,6 +37,7 @@ import structlog
 import zmq
 
 from rlbus.common import protocol as P
+from rlbus.weights.checkpoint import version_dirs
 from rlbus.weights.delta import make_delta
 from rlbus.weights.digest import weights_digest
 
@@ -262,7 +263,7 @@ class WeightServer:
         return path
 
     def held(self) -> list[int]:
-        return sorted(int(p.name[1:]) for p in self.dir.glob("v*") if p.name[1:].isdigit())
+        return [version for version, _ in version_dirs(self.dir)]
 
     def _stamp(self, version: int) -> tuple[int, int] | None:
         try:

@@ -32,7 +32,8 @@ from typing import Any, Iterator, Protocol
 
 import structlog
 
-from rlbus.weights.digest import matches
+from rlbus.weights.checkpoint import version_dirs
+from rlbus.weights.digest import matches, weights_digest
 
 log = structlog.get_logger()
 
@@ -169,16 +170,18 @@ class Receiver:
         if time.monotonic() < self._retry_at.get(version, 0.0):
             return False  # it failed a moment ago: the caller asks again, the server is not flooded
         base = self.held or self._kept()
+
+        def fetch(against):
+            return fetch_version(state["fetch_from"], version, state["digest"], self.fetch_dir, against,
+                                 server_key=state.get("fetch_key", ""), client_secret_file=self.client_secret_file,
+                                 timeout_s=self.fetch_timeout_s)
+
         try:
             try:
-                got = fetch_version(state["fetch_from"], version, state["digest"], self.fetch_dir, base,
-                                    server_key=state.get("fetch_key", ""), client_secret_file=self.client_secret_file,
-                                    timeout_s=self.fetch_timeout_s)
+                got = fetch(base)
             except DeltaFailed as exc:
                 log.warning("weights_delta_failed", policy_version=version, base=base.version, error=str(exc)[:300])
-                got = fetch_version(state["fetch_from"], version, state["digest"], self.fetch_dir, None,
-                                    server_key=state.get("fetch_key", ""), client_secret_file=self.client_secret_file,
-                                    timeout_s=self.fetch_timeout_s)
+                got = fetch(None)
         except (FetchFailed, OSError) as exc:
             self._retry_at[version] = time.monotonic() + RETRY_S
             log.warning("weights_fetch_failed", policy_version=version, error=str(exc)[:300], retry_in_s=RETRY_S)
@@ -194,12 +197,9 @@ class Receiver:
 
     def _kept(self):
         """After a restart: the newest version fetched before, as a delta base (the server checks its digest)."""
-        from rlbus.weights.digest import weights_digest
         from rlbus.weights.fetch import Base
 
-        kept = sorted((int(p.name[1:]), p) for p in self.fetch_dir.glob("v*") if p.name[1:].isdigit()) \
-            if self.fetch_dir.is_dir() else []
-        for version, path in reversed(kept):
+        for version, path in reversed(version_dirs(self.fetch_dir)):
             try:
                 return Base(version, path, weights_digest(path))
             except FileNotFoundError:
@@ -207,8 +207,8 @@ class Receiver:
         return None
 
     def _prune(self, keep: Path) -> None:
-        for path in self.fetch_dir.glob("v*"):
-            if path != keep and path.name[1:].isdigit():
+        for _, path in version_dirs(self.fetch_dir):
+            if path != keep:
                 shutil.rmtree(path, ignore_errors=True)
 
 
