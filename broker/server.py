@@ -29,6 +29,7 @@ from rlbus.broker.peers import Peer, Peers
 from rlbus.broker.rewards import RewardRouter
 from rlbus.broker.buffer import Buffer
 from rlbus.broker.store import Store
+from rlbus.broker.swaps import SwapSlots
 from rlbus.broker.tasks import TaskQueue, refusal
 from rlbus.common import protocol as P
 from rlbus.common.messages import Rollout, fields
@@ -61,6 +62,7 @@ class Broker:
                                bcfg.lease_timeout_s)
         self.buffer = Buffer(cfg, self.store, self.tasks, self.peers, self, self.ctx)
         self.rewards = RewardRouter(self.peers, self.send, cfg.reward.eval_timeout_s, cfg.reward.eval_attempts)
+        self.swaps = SwapSlots(cfg.sync.max_swapping, cfg.sync.swap_timeout_s)
         self._auth = None
         self.router = self.ctx.socket(zmq.ROUTER)
         self.pub = self.ctx.socket(zmq.PUB)
@@ -81,7 +83,7 @@ class Broker:
             P.HEARTBEAT: (self._heartbeat, anyone), P.BYE: (self._bye, anyone), P.STATUS: (self._status, anyone),
             P.LEASE: (self._lease, ("explorer",)),
             P.FETCH: (self.buffer.fetch, ("trainer",)), P.COMMIT: (self.buffer.commit, ("trainer",)),
-            P.PUBLISH: (self._publish, ("trainer",)),
+            P.PUBLISH: (self._publish, ("trainer",)), P.SWAP: (self._swap, ("explorer",)),
             P.EVAL: (lambda p, m: self.rewards.submit(p.identity, m), anyone),
             P.RESULT: (self.rewards.result, ("reward",)),
         }
@@ -262,6 +264,7 @@ class Broker:
             "max_message_bytes": self.cfg.broker.max_message_bytes, "rollout": self.cfg.rollout.model_dump(),
             "sync": {"sync_style": s.sync_style, "sync_interval": s.sync_interval, "sync_offset": s.sync_offset,
                      "max_staleness": s.max_staleness, "sync_method": s.sync_method,
+                     "max_swapping": s.max_swapping,
                      "batch_tasks": self.cfg.data.batch_tasks, "repeat": self.cfg.rollout.repeat}})
 
     def _heartbeat(self, peer: Peer, msg: P.Message) -> None:
@@ -277,6 +280,7 @@ class Broker:
             self.rewards.worker_gone(peer)
         self.rewards.client_gone(peer)
         released = self.tasks.release_holder(peer.name)
+        self.swaps.end(peer.name, time.time(), reason)
         log.info("peer_left", peer=peer.name, role=peer.role, reason=reason, leases_released=len(released),
                  peers=len(self.peers))
 
@@ -318,6 +322,15 @@ class Broker:
             header["need_version"] = need
         self.reply(peer.identity, msg, P.WAIT, header)
 
+    def _swap(self, peer: Peer, msg: P.Message) -> None:
+        h, now = msg.header, time.time()
+        if h["phase"] == "end":
+            self.swaps.end(peer.name, now)
+        elif not self.swaps.begin(peer.name, h["version"], now):
+            return self.reply(peer.identity, msg, P.WAIT, {"reason": "swapping", "retry_after_s": self.hb / 4,
+                                                          "swapping": sorted(self.swaps.holders)})
+        self.reply(peer.identity, msg, P.OK, {})
+
     def _publish(self, peer: Peer, msg: P.Message) -> None:
         error = self.bus.publish(msg.header)
         if error is not None:
@@ -340,6 +353,7 @@ class Broker:
                        "ready_groups": len(self.store.ready), "stored": c["stored"], "committed": c["committed"],
                        "expired": c["expired"], "skipped": c["skipped"]},
             "tasks": {"issued": self.tasks.next_seq, "leased": len(self.tasks.leases), "done": len(self.tasks.done)},
+            "swapping": sorted(self.swaps.holders),
         }
 
     # ---- periodic ---------------------------------------------------------
@@ -356,6 +370,7 @@ class Broker:
             if now - peer.last_sent >= self.hb:
                 self.send(peer.identity, P.encode(P.HEARTBEAT, {"credit": self.buffer.credit()}))
         self.rewards.tick(now)
+        self.swaps.expire(now)
         expired = self.tasks.expire(now)
         if expired:
             log.info("leases_expired", n=len(expired), seqs=[lz.seq for lz in expired][:16])

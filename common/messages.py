@@ -81,6 +81,7 @@ class Trajectory(Struct, forbid_unknown_fields=False):
     reward: Float
     n_tokens: Int
     payload_bytes: Int
+    last_version: Int | UnsetType = UNSET
     info: dict[str, Any] | UnsetType = UNSET
 
 
@@ -123,6 +124,11 @@ class Publish(Header):
     fetch_key: str | UnsetType = UNSET
 
 
+class Swap(Header):
+    phase: Literal["begin", "end"]
+    version: Int
+
+
 class EvalItem(Struct, forbid_unknown_fields=False):
     text: str
     task: dict[str, Any] | UnsetType = UNSET
@@ -141,7 +147,7 @@ class Result(Struct, forbid_unknown_fields=False):
 
 HEADERS: dict[str, type[Struct]] = {
     "HELLO": Hello, "HEARTBEAT": Heartbeat, "BYE": Header, "LEASE": Lease, "PUT": Put, "FETCH": Fetch,
-    "COMMIT": Commit, "PUBLISH": Publish, "STATUS": Header, "EVAL": Eval, "RESULT": Result,
+    "COMMIT": Commit, "PUBLISH": Publish, "STATUS": Header, "EVAL": Eval, "RESULT": Result, "SWAP": Swap,
 }
 
 

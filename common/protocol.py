@@ -34,6 +34,7 @@ PUBLISH = "PUBLISH"
 STATUS = "STATUS"
 EVAL = "EVAL"
 RESULT = "RESULT"
+SWAP = "SWAP"
 # Replies and broker-initiated messages.
 WELCOME = "WELCOME"
 TASKS = "TASKS"
@@ -46,7 +47,7 @@ EMPTY = "EMPTY"
 OK = "OK"
 ERROR = "ERROR"
 
-REQUESTS = frozenset({HELLO, HEARTBEAT, BYE, LEASE, PUT, FETCH, COMMIT, PUBLISH, STATUS, EVAL, RESULT})
+REQUESTS = frozenset({HELLO, HEARTBEAT, BYE, LEASE, PUT, FETCH, COMMIT, PUBLISH, STATUS, EVAL, RESULT, SWAP})
 REPLIES = frozenset({WELCOME, TASKS, WAIT, DONE, ACK, CREDIT, BATCH, EMPTY, OK, ERROR, STATUS, HEARTBEAT, RESULT})
 # Messages the broker sends on its own to a peer (not replies): the client hands them to the peer's code.
 UNSOLICITED = frozenset({EVAL})
@@ -172,6 +173,10 @@ def validate(msg: Message) -> Struct:
         if total != len(msg.payloads[0]):
             raise ProtocolError("bad_field", f"PUT: payload_bytes add up to {total} but the payload frame "
                                              f"has {len(msg.payloads[0])} bytes")
+        for i, t in enumerate(typed.trajectories):
+            if t.last_version is not msgspec.UNSET and t.last_version < t.policy_version:
+                raise ProtocolError("bad_field", f"PUT: $.trajectories[{i}].last_version {t.last_version} is older "
+                                                 f"than its policy_version {t.policy_version} (the oldest token's)")
     elif msg.command == PUBLISH and typed.broadcast is not msgspec.UNSET:
         b = typed.broadcast
         if not all(1 <= r < b.world for r in b.ranks.values()):

@@ -137,6 +137,12 @@ class SyncConfig(Section):
     """Send an explorer that holds a recent version only what changed (zstd XOR); off: always whole versions."""
     serve_chunk_mb: float = Field(4.0, gt=0, le=64)
     """Weights travel in chunks of this size, each checked on arrival."""
+    max_swapping: int = Field(0, ge=0)
+    """Streaming explorers with sync_style async swap new weights in with their requests in flight; at most this
+    many at once (the broker grants the slots), so the fleet never stops generating together. 0: no limit.
+    Members of a broadcast load together whatever this says."""
+    swap_timeout_s: float = Field(60.0, gt=0)
+    """A swap slot its explorer has not given back after this long is freed."""
 
     @model_validator(mode="after")
     def _staleness(self) -> "SyncConfig":
@@ -238,6 +244,12 @@ class ExplorerConfig(Section):
     """A fetch that gets no reply from the weight server for this long fails (and is tried again later)."""
     memory_fraction: float = Field(0.3, gt=0, le=1)
     """vLLM gpu_memory_utilization; on CPU the share of host memory it reserves (0.3 works, the default 0.9 does not)."""
+    streaming: bool = False
+    """Keep the engine full: lease tasks as slots free up, PUT each group as soon as its last sample ends, and
+    (sync_style async) swap new weights in between two engine steps with the requests in flight kept. Off: a
+    batch at a time, new weights between batches."""
+    inflight_tasks: int = Field(0, ge=0)
+    """Streaming: tasks kept in flight (each `repeat` samples). 0: tasks_per_lease."""
     engine_core: Literal["auto", "inline", "process"] = "auto"
     """Where vLLM's engine core runs: inside the explorer process, or in a process of its own. auto: inline on
     vLLM's CPU build (the tiny model's engine starts in ~5 s instead of ~24 s, and generates on all the

@@ -1,14 +1,22 @@
 """The explorer's vLLM engine: sampling with behaviour logprobs, and in-place weight loads.
 
-One `vllm.LLM` per explorer process. `generate` takes prompt token ids and
-returns, for each prompt, `n` samples with their token ids, the logprob of
-every sampled token under the distribution it was sampled from
+One `vllm.LLM` per explorer process, driven a step at a time. `submit` adds
+a request (prompt token ids, `n` samples); `step` runs one engine step and
+returns the requests it finished, each sample with its token ids, the
+logprob of every sampled token under the distribution it was sampled from
 (`logprobs_mode="processed_logprobs"`: after temperature and top-p), the
-finish reason and the text. `reload` loads a version into the running
-engine from a weight-sync source (rlbus.weights.sync chooses it and checks
-digests) through the worker extension, and only then moves `version`: a
-generation never starts on half-loaded weights, and none is dropped around a
-load (the two take turns on one lock).
+finish reason, the text, and the policy versions its tokens came from.
+`generate` is submit-and-step-until-done for a list of prompts; requests
+other callers have in flight go on meanwhile and are kept for their `step`.
+
+`reload` loads a version into the running engine from a weight-sync source
+(rlbus.weights.sync chooses it and checks digests) between two steps, with
+the requests in flight kept: it pauses the scheduler, loads the weights in
+every worker, labels later steps with the new version, empties the prefix
+cache and recomputes the running requests' KV under the new weights (so no
+token after the swap is sampled from a cache the old weights wrote), then
+resumes. A sample that spans the swap so records where its tokens changed
+version, and each token's logprob is the one it was sampled with.
 
 vLLM spawns processes: create an Engine only under `if __name__ == "__main__"`
 or in a process started by the CLI.
@@ -16,6 +24,7 @@ or in a process started by the CLI.
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import time
@@ -48,6 +57,7 @@ class Sample:
     logprobs: list[float]
     finish_reason: str
     text: str
+    versions: list[tuple[int, int]]  # (first token index, policy version) for each run of tokens one version sampled
 
 
 class Engine:
@@ -69,8 +79,14 @@ class Engine:
         self.tokenizer = self.llm.get_tokenizer()
         self.model = model
         self.version = version
+        self.llm.llm_engine.set_weight_version(str(version))  # every step's output carries it
         self.last_load: dict = {}  # how the current version arrived: {version, method, seconds}
+        self.busy_s = 0.0  # time spent in engine steps that had requests to run
+        self.paused_s = 0.0  # time generation stood still for weight loads
         self._lock = threading.Lock()
+        self._requests: set[str] = set()  # submitted, not yet returned by step
+        self._finished: dict[str, list[Sample]] = {}  # finished while someone else was stepping
+        self._ids = itertools.count()
         log.info("engine_started", model=model, dtype=dtype, core="inline" if self.inline else "process",
                  seconds=round(time.monotonic() - started, 2))
 
@@ -81,25 +97,55 @@ class Engine:
             ids = ids["input_ids"]
         return list(ids)
 
-    def generate(self, prompts: Sequence[Sequence[int]], n: int, temperature: float = 1.0, top_p: float = 1.0,
-                 max_tokens: int = 64, stop_token_ids: list[int] | None = None) -> list[list[Sample]]:
+    @property
+    def in_flight(self) -> int:
+        """Requests submitted and not yet returned by `step`."""
+        return len(self._requests)
+
+    def submit(self, request_id: str, prompt: Sequence[int], n: int = 1, temperature: float = 1.0,
+               top_p: float = 1.0, max_tokens: int = 64, stop_token_ids: list[int] | None = None) -> None:
+        """Start generating `n` samples of `prompt`; `step` returns them, under `request_id`, once all are done."""
         from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
         params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=0,
-                                stop_token_ids=stop_token_ids)
+                                stop_token_ids=stop_token_ids, output_kind=RequestOutputKind.FINAL_ONLY)
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id!r} is already in flight")
         with self._lock:
-            outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
-        groups = []
-        for out in outputs:
-            samples = []
-            for c in sorted(out.outputs, key=lambda c: c.index):
-                ids = list(c.token_ids)
-                logprobs = [step[tok].logprob for tok, step in zip(ids, c.logprobs or [])]
-                if len(logprobs) != len(ids):
-                    raise RuntimeError(f"vLLM returned {len(logprobs)} logprobs for {len(ids)} tokens")
-                samples.append(Sample(ids, logprobs, c.finish_reason or "unknown", c.text))
-            groups.append(samples)
-        return groups
+            self.llm.llm_engine.add_request(request_id, {"prompt_token_ids": list(prompt)}, params)
+        self._requests.add(request_id)
+
+    def step(self) -> dict[str, list[Sample]]:
+        """One engine step; returns the requests finished since the last call, by id, samples in order."""
+        done, self._finished = self._finished, {}
+        if self._requests.difference(done):
+            with self._lock:
+                started = time.monotonic()
+                outputs = self.llm.llm_engine.step()
+                self.busy_s += time.monotonic() - started
+            for out in outputs:
+                if out.finished:
+                    done[out.request_id] = [_sample(c) for c in sorted(out.outputs, key=lambda c: c.index)]
+        self._requests.difference_update(done)
+        return done
+
+    def generate(self, prompts: Sequence[Sequence[int]], n: int, temperature: float = 1.0, top_p: float = 1.0,
+                 max_tokens: int = 64, stop_token_ids: list[int] | None = None) -> list[list[Sample]]:
+        """`n` samples of each prompt, in order. Requests others have in flight advance too; what they finish
+        meanwhile is kept for their next `step`."""
+        ids = [f"generate-{next(self._ids)}" for _ in prompts]
+        for rid, prompt in zip(ids, prompts):
+            self.submit(rid, prompt, n, temperature, top_p, max_tokens, stop_token_ids)
+        mine: dict[str, list[Sample]] = {}
+        while len(mine) < len(ids):
+            for rid, samples in self.step().items():
+                if rid in ids:
+                    mine[rid] = samples
+                else:
+                    self._finished[rid] = samples
+        self._requests.update(self._finished)
+        return [mine[rid] for rid in ids]
 
     def warm_up(self) -> None:
         """The first generation after start is slow on CPU; pay for it before the first real batch."""
@@ -111,16 +157,37 @@ class Engine:
         """Load the weights of a weight-sync source in place, in every worker (rlbus.weights.sync decides
         which source; the workers turn it into tensors). Returns what the load measured."""
         started = time.monotonic()
+        engine = self.llm.llm_engine
         with self._lock:
-            info = self.llm.collective_rpc("rlbus_reload", args=(source,))[0]
-            self.version = version
+            engine.sleep(level=0, mode="keep")  # the scheduler pauses; requests in flight stay where they are
+            try:
+                info = self.llm.collective_rpc("rlbus_reload", args=(source,))[0]
+                engine.set_weight_version(str(version))
+                self.version = version
+                # No later token may come from KV that the old weights computed: empty the prefix cache and
+                # send the running requests back to be recomputed (prompt and tokens so far) under the new.
+                engine.reset_prefix_cache(reset_running_requests=True)
+            finally:
+                engine.wake_up(tags=["scheduling"])
+        self.paused_s += time.monotonic() - started
         seconds = round(time.monotonic() - started, 3)
-        self.last_load = {"version": version, "method": source["method"], "seconds": seconds}
+        self.last_load = {"version": version, "method": source["method"], "seconds": seconds,
+                          "in_flight": len(self._requests)}
         where = ({"epoch": source["announcement"]["epoch"]} if source["method"] == "nccl"
                  else {"path": source.get("path")})
         log.info("weights_loaded", policy_version=version, method=source["method"], seconds=seconds, **where,
+                 in_flight=len(self._requests),
                  **{k: round(v, 3) if isinstance(v, float) else v for k, v in info.items()})
         return info
+
+    def abort(self) -> int:
+        """Drop every request in flight (a stopping explorer's); returns how many."""
+        ids = sorted(self._requests)
+        with self._lock:
+            self.llm.llm_engine.abort_request(ids)
+        self._requests.clear()
+        self._finished.clear()
+        return len(ids)
 
     def close(self) -> None:
         """Stop vLLM's engine core (its process, when it has one: without this the interpreter waits for it
@@ -135,3 +202,13 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _sample(c) -> Sample:
+    """One finished completion as a Sample, with the version of each run of its tokens."""
+    ids = list(c.token_ids)
+    logprobs = [step[tok].logprob for tok, step in zip(ids, c.logprobs or [])]
+    if len(logprobs) != len(ids):
+        raise RuntimeError(f"vLLM returned {len(logprobs)} logprobs for {len(ids)} tokens")
+    spans = [(s.start, int(s.version)) for s in (c.weight_versions or []) if s.end > s.start]
+    return Sample(ids, logprobs, c.finish_reason or "unknown", c.text, spans)

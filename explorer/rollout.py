@@ -1,14 +1,21 @@
 """Workflows: leased tasks in, scored trajectory groups out.
 
-`single_turn` sends each task's prompt through the chat template, samples
-`repeat` responses per task in one engine call, scores each with the
-configured reward, and builds one trajectory per response, grouped by task
-(the group answers the task's lease). Each trajectory is a (meta, payload)
-pair as PUT carries it (docs/protocol.md).
+`Rollouts` keeps leased tasks in flight in the engine. `add` submits each
+task's prompt (through the chat template); every `step` advances the
+engine one step and returns the groups that step completed, scored and
+built, one trajectory per sample, grouped by task (the group answers the
+task's lease). A task without an environment is one request of `repeat`
+samples. A task with one (`env` in the task) runs `repeat` episodes of model
+turns and environment answers, each turn a request of its own submitted as
+the previous one ends. The explorer adds tasks as slots free up (streaming)
+or a batch at a time (`roll_out`). Each trajectory is a (meta, payload) pair
+as PUT carries it (docs/protocol.md), with the policy version of every run
+of its tokens: a weight swap while a sample is in flight splits it.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -29,14 +36,20 @@ def score_all(reward_fn: Callable, tasks: list[dict], responses: list[Response],
     return [evaluate(reward_fn, t, r, name=name) for t, r in zip(tasks, responses)]
 
 
-def build_trajectory(lease: dict[str, Any], index: int, repeat: int, version: int, explorer: str,
-                     prompt_ids: list[int], response_ids: list[int], logprobs: list[float], loss_mask: list[int],
-                     result, finish_reason: str, text: str, timings: dict[str, float],
+def build_trajectory(lease: dict[str, Any], index: int, repeat: int, versions: list[tuple[int, int]],
+                     explorer: str, prompt_ids: list[int], response_ids: list[int], logprobs: list[float],
+                     loss_mask: list[int], result, finish_reason: str, text: str, timings: dict[str, float],
                      sampling: dict[str, float] | None = None) -> tuple[dict, bytes]:
-    """One trajectory's metadata and payload (with the sampling settings its logprobs were taken under)."""
+    """One trajectory's metadata and payload (with the sampling settings its logprobs were taken under).
+
+    `versions` lists (first response index, policy version) for each run of tokens one version sampled, in
+    order; `policy_version` is the oldest (the one staleness counts from), `last_version` the newest."""
     if not (len(response_ids) == len(logprobs) == len(loss_mask)):
         raise ValueError(f"response ids, logprobs and loss mask differ in length: "
                          f"{len(response_ids)}, {len(logprobs)}, {len(loss_mask)}")
+    if not versions:
+        raise ValueError("a trajectory needs the policy version of its tokens")
+    version, last = versions[0][1], versions[-1][1]
     tid = f"{lease['lease_id']}.{index}"
     payload = encode_payload(
         {"prompt_ids": np.asarray(prompt_ids, dtype=np.int32),
@@ -44,53 +57,151 @@ def build_trajectory(lease: dict[str, Any], index: int, repeat: int, version: in
          "logprobs": np.asarray(logprobs, dtype=np.float32),
          "loss_mask": np.asarray(loss_mask, dtype=np.uint8)},
         {"id": tid, "task_id": lease["task_id"], "group_id": lease["lease_id"], "explorer": explorer,
-         "policy_version": version, "reward": result.score, "reward_details": result.details,
+         "policy_version": version, "last_version": last, "versions": [list(v) for v in versions],
+         "reward": result.score, "reward_details": result.details,
          "reward_reason": result.reason, "finish_reason": finish_reason, "text": text, "timings": timings,
          **({"sampling": sampling} if sampling else {})})
     meta = Trajectory(id=tid, group_id=lease["lease_id"], task_id=lease["task_id"], group_size=repeat,
-                      batch_index=lease["batch_index"], policy_version=version, reward=result.score,
+                      batch_index=lease["batch_index"], policy_version=version, last_version=last,
+                      reward=result.score,
                       n_tokens=len(response_ids), payload_bytes=len(payload), info={"finish_reason": finish_reason})
     return msgspec.to_builtins(meta), payload
 
 
-def single_turn(engine, leases: list[dict[str, Any]], *, repeat: int, temperature: float, top_p: float,
-                max_tokens: int, reward_fn: Callable, reward_name: str, explorer: str,
-                leased_at: float) -> list[list[tuple[dict, bytes]]]:
-    """Roll out and score `leases`; returns one list of trajectories per lease."""
-    prompts = [engine.chat_prompt([{"role": "user", "content": lease["task"]["prompt"]}]) for lease in leases]
-    version = engine.version
-    started = time.monotonic()
-    samples = engine.generate(prompts, n=repeat, temperature=temperature, top_p=top_p, max_tokens=max_tokens)
-    generated = time.monotonic()
-    groups = []
-    scored_at = time.monotonic()
-    all_results = score_all(reward_fn, [lease["task"] for lease in leases for _ in range(repeat)],
-                            [Response(s.text, s.token_ids) for group in samples for s in group], reward_name)
-    reward_s = (time.monotonic() - scored_at) / max(1, len(all_results))
-    for k, (lease, prompt_ids, group) in enumerate(zip(leases, prompts, samples)):
-        results = all_results[k * repeat:(k + 1) * repeat]
-        timings = {"queue_s": round(started - leased_at, 4), "generate_s": round(generated - started, 4),
-                   "reward_s": round(reward_s, 6)}
-        groups.append([build_trajectory(lease, i, repeat, version, explorer, prompt_ids, s.token_ids, s.logprobs,
-                                        [1] * len(s.token_ids), r, s.finish_reason, s.text, timings,
-                                        {"temperature": temperature, "top_p": top_p})
-                       for i, (s, r) in enumerate(zip(group, results))])
-    return groups
-
-
 @dataclass(slots=True)
 class _Episode:
-    lease: dict[str, Any]
+    """One sample of a group: a single response, or the turns of an episode with an environment."""
+
+    group: "_Group"
     index: int
-    prompt_ids: list[int]
-    env: Any
-    messages: list[dict[str, str]]
+    env: Any = None
+    messages: list[dict[str, str]] = field(default_factory=list)
     response_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
+    versions: list[tuple[int, int]] = field(default_factory=list)
     turns: list[str] = field(default_factory=list)
     finish_reason: str = ""
     done: bool = False
+
+    def add_turn(self, sample) -> None:
+        """The model's tokens of one turn (loss mask 1, with their behaviour logprobs and versions)."""
+        offset = len(self.response_ids)
+        for start, version in sample.versions:
+            if not self.versions or self.versions[-1][1] != version:
+                self.versions.append((offset + start, version))
+        self.response_ids += sample.token_ids
+        self.logprobs += sample.logprobs
+        self.loss_mask += [1] * len(sample.token_ids)
+        self.turns.append(sample.text)
+        self.finish_reason = sample.finish_reason
+
+
+@dataclass(slots=True)
+class _Group:
+    lease: dict[str, Any]
+    prompt_ids: list[int]
+    leased_at: float
+    submitted: float
+    version: int  # the engine's when submitted: the version of a sample that has no tokens
+    episodes: list[_Episode] = field(default_factory=list)
+
+
+class Rollouts:
+    """Leased tasks in flight in one engine (see the module docstring)."""
+
+    def __init__(self, engine, *, repeat: int, temperature: float, top_p: float, max_tokens: int,
+                 reward_fn: Callable, reward_name: str, explorer: str, make_env: Callable | None = None):
+        self.engine = engine
+        self.repeat, self.temperature, self.top_p, self.max_tokens = repeat, temperature, top_p, max_tokens
+        self.reward_fn, self.reward_name, self.explorer, self.make_env = reward_fn, reward_name, explorer, make_env
+        self.groups: dict[str, _Group] = {}
+        self._requests: dict[str, list[_Episode]] = {}  # engine request id -> the episodes it samples for
+        self._turns = itertools.count()
+
+    @property
+    def tasks(self) -> int:
+        """Tasks in flight."""
+        return len(self.groups)
+
+    def add(self, leases: list[dict[str, Any]], leased_at: float) -> None:
+        for lease in leases:
+            messages = [{"role": "user", "content": lease["task"]["prompt"]}]
+            group = _Group(lease, self.engine.chat_prompt(messages), leased_at, time.monotonic(), self.engine.version)
+            self.groups[lease["lease_id"]] = group
+            if "env" in lease["task"]:
+                if self.make_env is None:
+                    raise ValueError(f"task {lease['task_id']} has an environment and this workflow none")
+                group.episodes = [_Episode(group, i, self.make_env(lease["task"]), list(messages))
+                                  for i in range(self.repeat)]
+                for episode in group.episodes:
+                    self._submit([episode], group.prompt_ids)
+            else:
+                group.episodes = [_Episode(group, i) for i in range(self.repeat)]
+                self._submit(group.episodes, group.prompt_ids)
+
+    def _submit(self, episodes: list[_Episode], prompt: list[int]) -> None:
+        rid = f"{episodes[0].group.lease['lease_id']}/{next(self._turns)}"
+        self.engine.submit(rid, prompt, n=len(episodes), temperature=self.temperature, top_p=self.top_p,
+                           max_tokens=self.max_tokens)
+        self._requests[rid] = episodes
+
+    def step(self) -> list[list[tuple[dict, bytes]]]:
+        """One engine step; returns the groups it completed (all their samples done), scored and built."""
+        finished: list[_Group] = []
+        for rid, samples in self.engine.step().items():
+            episodes = self._requests.pop(rid)
+            for episode, sample in zip(episodes, samples):
+                episode.add_turn(sample)
+                self._next_turn(episode, sample)
+            group = episodes[0].group
+            if all(e.done for e in group.episodes):
+                finished.append(self.groups.pop(group.lease["lease_id"]))
+        return [self._build(group) for group in finished]
+
+    def _next_turn(self, episode: _Episode, sample) -> None:
+        if episode.env is None:
+            episode.done = True
+            return
+        answer, episode.done = episode.env.step(sample.text)
+        if episode.done:
+            return
+        ended = bool(sample.token_ids) and sample.token_ids[-1] == self.engine.tokenizer.eos_token_id
+        env_ids = _env_tokens(self.engine, episode.messages, sample.text, ended, answer)
+        episode.messages += [{"role": "assistant", "content": sample.text}, {"role": "user", "content": answer}]
+        episode.response_ids += env_ids  # the environment's words, as the model sees them: mask 0, logprob 0
+        episode.logprobs += [0.0] * len(env_ids)
+        episode.loss_mask += [0] * len(env_ids)
+        self._submit([episode], episode.group.prompt_ids + episode.response_ids)
+
+    def _build(self, group: _Group) -> list[tuple[dict, bytes]]:
+        generated = time.monotonic()
+        task = group.lease["task"]
+        multi = any(e.env is not None for e in group.episodes)
+        responses = [Response(e.turns[-1], [t for t, m in zip(e.response_ids, e.loss_mask) if m],
+                              tuple(e.turns) if multi else ()) for e in group.episodes]
+        results = score_all(self.reward_fn, [task] * len(responses), responses, self.reward_name)
+        timings = {"queue_s": round(group.submitted - group.leased_at, 4),
+                   "generate_s": round(generated - group.submitted, 4),
+                   "reward_s": round((time.monotonic() - generated) / max(1, len(results)), 6)}
+        sampling = {"temperature": self.temperature, "top_p": self.top_p}
+        return [build_trajectory(group.lease, e.index, self.repeat, e.versions or [(0, group.version)],
+                                 self.explorer, group.prompt_ids, e.response_ids, e.logprobs, e.loss_mask, result,
+                                 e.finish_reason, "\n".join(e.turns), timings, sampling)
+                for e, result in zip(group.episodes, results)]
+
+
+def roll_out(engine, leases: list[dict[str, Any]], **kw) -> list[list[tuple[dict, bytes]]]:
+    """Roll out and score `leases` together; returns one list of trajectories per lease, in order. `kw` are
+    `Rollouts`' settings (with `leased_at`)."""
+    leased_at = kw.pop("leased_at", time.monotonic())
+    rollouts = Rollouts(engine, **kw)
+    rollouts.add(leases, leased_at)
+    built: dict[str, list[tuple[dict, bytes]]] = {}
+    while rollouts.tasks:
+        for group in rollouts.step():
+            built[group[0][0]["group_id"]] = group
+    return [built[lease["lease_id"]] for lease in leases]
 
 
 def _env_tokens(engine, messages: list[dict[str, str]], reply: str, ended_with_eos: bool, answer: str) -> list[int]:
@@ -106,51 +217,3 @@ def _env_tokens(engine, messages: list[dict[str, str]], reply: str, ended_with_e
     if ended_with_eos and eos and closing.startswith(eos):
         closing = closing[len(eos):]  # the model already produced it
     return list(engine.tokenizer.encode(closing + text_after[len(text_before):], add_special_tokens=False))
-
-
-def multi_turn(engine, leases: list[dict[str, Any]], make_env: Callable, *, repeat: int, temperature: float,
-               top_p: float, max_tokens: int, reward_fn: Callable, reward_name: str, explorer: str,
-               leased_at: float) -> list[list[tuple[dict, bytes]]]:
-    """Episodes of model turns and environment answers, `repeat` per lease.
-
-    The trajectory's response is everything after the first prompt: the
-    model's tokens (loss mask 1, with their behaviour logprobs) and the
-    environment's (mask 0, logprob 0), exactly as the model saw them.
-    """
-    version = engine.version
-    started = time.monotonic()
-    episodes = []
-    for lease in leases:
-        messages = [{"role": "user", "content": lease["task"]["prompt"]}]
-        prompt_ids = engine.chat_prompt(messages)
-        episodes += [_Episode(lease, i, prompt_ids, make_env(lease["task"]), list(messages)) for i in range(repeat)]
-    eos_id = engine.tokenizer.eos_token_id
-    while active := [e for e in episodes if not e.done]:
-        outs = engine.generate([e.prompt_ids + e.response_ids for e in active], n=1, temperature=temperature,
-                               top_p=top_p, max_tokens=max_tokens)
-        for episode, (sample,) in zip(active, outs):
-            episode.response_ids += sample.token_ids
-            episode.logprobs += sample.logprobs
-            episode.loss_mask += [1] * len(sample.token_ids)
-            episode.turns.append(sample.text)
-            episode.finish_reason = sample.finish_reason
-            answer, episode.done = episode.env.step(sample.text)
-            if not episode.done:
-                ended = bool(sample.token_ids) and sample.token_ids[-1] == eos_id
-                env_ids = _env_tokens(engine, episode.messages, sample.text, ended, answer)
-                episode.messages += [{"role": "assistant", "content": sample.text}, {"role": "user", "content": answer}]
-                episode.response_ids += env_ids
-                episode.logprobs += [0.0] * len(env_ids)
-                episode.loss_mask += [0] * len(env_ids)
-    generated = time.monotonic()
-    groups: dict[str, list[tuple[dict, bytes]]] = {}
-    results = score_all(reward_fn, [e.lease["task"] for e in episodes],
-                        [Response(e.turns[-1], [t for t, m in zip(e.response_ids, e.loss_mask) if m], tuple(e.turns))
-                         for e in episodes], reward_name)
-    for e, result in zip(episodes, results):
-        timings = {"queue_s": round(started - leased_at, 4), "generate_s": round(generated - started, 4),
-                   "reward_s": 0.0}
-        groups.setdefault(e.lease["lease_id"], []).append(build_trajectory(
-            e.lease, e.index, repeat, version, explorer, e.prompt_ids, e.response_ids, e.logprobs, e.loss_mask,
-            result, e.finish_reason, "\n".join(e.turns), timings, {"temperature": temperature, "top_p": top_p}))
-    return [groups[lease["lease_id"]] for lease in leases]

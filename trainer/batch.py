@@ -10,7 +10,7 @@ the estimator is group-relative.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -31,7 +31,8 @@ class Sample:
     id: str
     group: int
     reward: float
-    policy_version: int
+    policy_version: int  # of its oldest token
+    last_version: int  # of its newest token (newer when weights were swapped in while it was generated)
     prompt_ids: np.ndarray
     response_ids: np.ndarray
     logprobs: np.ndarray
@@ -53,6 +54,17 @@ class Batch:
     dropped_groups: int
     groups: int
     fetched_samples: int = 0  # samples that passed the checks, all-equal groups included
+    last_versions: list[int] = field(default_factory=list)  # per sample, as `versions`: its newest token's
+
+    @property
+    def version_span(self) -> list[int]:
+        """[oldest, newest] policy version of any token in the batch."""
+        return [min(self.versions), max(self.last_versions or self.versions)] if self.versions else []
+
+    @property
+    def swapped(self) -> int:
+        """Samples whose tokens came from more than one version."""
+        return sum(a != b for a, b in zip(self.versions, self.last_versions))
 
     @property
     def size(self) -> int:
@@ -110,7 +122,8 @@ def decode_batch(reply: P.Message, vocab_size: int, temperature: float | None = 
             rejected[reason] = rejected.get(reason, 0) + 1
             log.warning("trajectory_rejected", trajectory=meta.get("id"), reason=reason, explorer=meta.get("explorer"))
             continue
-        samples.append(Sample(traj.id, group_of[traj.id], traj.reward, traj.policy_version,
+        last = traj.policy_version if traj.last_version is msgspec.UNSET else traj.last_version
+        samples.append(Sample(traj.id, group_of[traj.id], traj.reward, traj.policy_version, last,
                               body["prompt_ids"], body["response_ids"], body["logprobs"], body["loss_mask"]))
     return samples, rejected
 
@@ -129,9 +142,11 @@ def build_batch(samples: list[Sample], rejected: dict[str, int], estimator: str,
         dropped = zero_spread_groups(rewards, gids)
     keep = [i for i, s in enumerate(samples) if s.group not in dropped]
     if not keep:
-        return Batch(torch.empty(0, 0, dtype=torch.long), torch.empty(0, 0), torch.empty(0, 0), torch.empty(0, 0),
+        batch = Batch(torch.empty(0, 0, dtype=torch.long), torch.empty(0, 0), torch.empty(0, 0), torch.empty(0, 0),
                      torch.empty(0), torch.empty(0, dtype=torch.long), rewards, [s.policy_version for s in samples],
-                     [], rejected, len(dropped), groups, len(samples))
+                      [], rejected, len(dropped), groups, len(samples))
+        batch.last_versions = [s.last_version for s in samples]
+        return batch
     kept = [samples[i] for i in keep]
     length = max(len(s.prompt_ids) + len(s.response_ids) for s in kept)
     n = len(kept)
@@ -149,4 +164,5 @@ def build_batch(samples: list[Sample], rejected: dict[str, int], estimator: str,
     prompt_lens = torch.tensor([len(s.prompt_ids) for s in kept], dtype=torch.long)
     return Batch(input_ids, attention, loss_mask, behaviour, adv[keep], prompt_lens, rewards,
                  [s.policy_version for s in samples],
-                 [s.id for s in kept], rejected, len(dropped), groups, len(samples))
+                 [s.id for s in kept], rejected, len(dropped), groups, len(samples),
+                 [s.last_version for s in samples])

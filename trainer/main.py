@@ -287,7 +287,8 @@ class Trainer:
             adv_mean=round(float(adv.mean()), 4), adv_std=round(float(adv.std()), 4) if adv.numel() > 1 else 0.0,
             adv_abs_max=round(float(adv.abs().max()), 4),
             **{k: significant(v) for k, v in metrics.items()},
-            staleness={str(k): v for k, v in sorted(staleness.items())}, tokens=tokens,
+            staleness={str(k): v for k, v in sorted(staleness.items())},
+            version_span=batch.version_span if have else [], swapped=batch.swapped if have else 0, tokens=tokens,
             tokens_per_s=round(tokens / compute_s, 1) if compute_s > 0 else 0.0,
             wait_s=round(wait_s, 3), compute_s=round(compute_s, 3), publish_s=round(publish_s, 3),
             step_s=round(total_s, 3), published=published)

@@ -132,12 +132,12 @@ def test_lockstep_explorer_waits_for_the_version_it_needs(broker_factory, client
 
 def test_trajectory_metadata_passes_the_broker_schema(engine):
     """What the workflow builds is exactly what PUT validation accepts."""
-    from rlbus.explorer.rollout import single_turn
+    from rlbus.explorer.rollout import roll_out
     from rlbus.reward.base import resolve
 
     lease = {"lease_id": "t0.0", "task_id": "arith-0-0", "seq": 0, "batch_index": 0,
              "task": {"prompt": "What is 1 + 1? Answer with just the number.", "answer": "2"}}
-    groups = single_turn(engine, [lease], repeat=2, temperature=1.0, top_p=1.0, max_tokens=4,
+    groups = roll_out(engine, [lease], repeat=2, temperature=1.0, top_p=1.0, max_tokens=4,
                          reward_fn=resolve("arith"), reward_name="arith", explorer="x", leased_at=time.monotonic())
     metas = [dict(m) for m, _ in groups[0]]
     frame = P.join_payloads(metas, [p for _, p in groups[0]])

@@ -9,7 +9,7 @@ import numpy as np
 from rlbus.common.tasksets import GuessTaskset
 from rlbus.common.trajectory import decode_payload
 from rlbus.explorer.envs import make_env
-from rlbus.explorer.rollout import multi_turn
+from rlbus.explorer.rollout import roll_out
 from rlbus.reward.base import resolve
 
 
@@ -29,7 +29,7 @@ def test_guess_the_number_mask_covers_exactly_the_models_tokens(engine):
     tasks = GuessTaskset(seed=3, high=20, max_turns=3)
     leases = [{"lease_id": f"t{i}.0", "task_id": f"guess-{i}", "seq": i, "batch_index": 0, "task": tasks.task(i)}
               for i in range(2)]
-    groups = multi_turn(engine, leases, make_env, repeat=3, temperature=1.0, top_p=1.0, max_tokens=6,
+    groups = roll_out(engine, leases, make_env=make_env, repeat=3, temperature=1.0, top_p=1.0, max_tokens=6,
                         reward_fn=resolve("auto"), reward_name="auto", explorer="x", leased_at=time.monotonic())
     assert [len(g) for g in groups] == [3, 3]
     tok = engine.tokenizer

@@ -19,7 +19,7 @@ def rows(prompts_and_responses: list[tuple[list[int], list[int]]], rewards: list
     for i, (prompt, response) in enumerate(prompts_and_responses):
         g = distinct.setdefault(tuple(prompt), len(distinct))
         reward = rewards[i] if rewards else float(i % 2)
-        samples.append(Sample(f"s{i}", g, reward, 0, np.array(prompt), np.array(response),
+        samples.append(Sample(f"s{i}", g, reward, 0, 0, np.array(prompt), np.array(response),
                               np.full(len(response), -1.0, dtype=np.float32), np.ones(len(response), np.uint8)))
     return build_batch(samples, {}, "grpo", False, pad_id=0)
 
