@@ -374,6 +374,7 @@ class Activity:
         self.engine = engine
         self.started = time.monotonic()
         self.last = self.started
+        self.busy0, self.paused0 = engine.busy_s, engine.paused_s  # warm-up and earlier runs are not counted
         self.in_flight_area = 0.0  # the integral of requests in flight over time
 
     def tick(self, in_flight: int) -> None:
@@ -387,9 +388,9 @@ class Activity:
         now = time.monotonic()
         self._emitted = now
         wall = now - self.started
-        busy = self.engine.busy_s
+        busy = self.engine.busy_s - self.busy0
         metrics.emit("explorer_activity", wall_s=round(wall, 3), busy_s=round(busy, 3),
-                     paused_s=round(self.engine.paused_s, 3), idle_share=round(1 - busy / wall, 4) if wall else 0.0,
+                     paused_s=round(self.engine.paused_s - self.paused0, 3), idle_share=round(1 - busy / wall, 4) if wall else 0.0,
                      requests_mean=round(self.in_flight_area / wall, 2) if wall else 0.0, in_flight=in_flight)
 
 

@@ -144,3 +144,27 @@ def test_multi_explorer_async_by_broadcast(tiny_model, tmp_path):
     for name in loads:
         assert not events(run_dir, name, "broadcast_failed")
     check_staleness(run_dir, info["cfg"].sync.max_staleness)
+
+
+def test_streaming_explorers_swap_in_flight_one_at_a_time(tiny_model, tmp_path):
+    """Three streaming explorers, max_swapping 1: versions are swapped in with requests in flight, trajectories
+    that spanned a swap are trained, and no two explorers are ever paused for a load at once."""
+    # Long responses and a loose staleness bound keep the explorers generating when versions arrive.
+    run_dir, info = run_preset("streaming", tiny_model, tmp_path, "launch.explorers=3", "rollout.max_tokens=64",
+                               "sync.max_staleness=8")
+    names = explorer_names(run_dir)
+    assert len(names) == 3 and all(events(run_dir, n, "explorer_groups") for n in names)
+    loads = [(e["ts"] - e["seconds"], e["ts"], name, e["in_flight"]) for name in names
+             for e in events(run_dir, name, "weights_loaded")]
+    assert any(in_flight for *_, in_flight in loads), "no version was swapped in with requests in flight"
+    loads.sort()
+    for (_, end, a, _), (start, _, b, _) in zip(loads, loads[1:]):
+        assert end <= start, f"{a} and {b} were paused for a load at the same time"
+    steps = events(run_dir, "trainer", "train_step")
+    assert sum(s["swapped"] for s in steps) > 0
+    for s in steps:
+        if s["version_span"]:
+            assert s["step"] - s["version_span"][0] <= info["cfg"].sync.max_staleness
+    for name in names:
+        assert not events(run_dir, name, "waiting_for_weights")
+    check_staleness(run_dir, info["cfg"].sync.max_staleness)

@@ -1,0 +1,132 @@
+"""In-flight weight updates on real vLLM (CPU, tiny model): requests keep going across a swap, each token is
+sampled by the weights its version says, and a streaming explorer PUTs every group once."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from rlbus.common import protocol as P
+from rlbus.weights.digest import weights_digest
+from rlbus.weights.sync import checkpoint_source, load_checkpoint
+from tests.explorer.test_explorer import explorer_config, fetch_all, publish
+
+TOLERANCE = 2e-3  # float32, as the explorer's other logprob checks
+
+
+@pytest.fixture(scope="module")
+def v1(tiny_model, tmp_path_factory):
+    from rlbus.weights.models import make_tiny
+
+    return make_tiny(tmp_path_factory.mktemp("v1") / "model", tiny_model, seed=1)
+
+
+@pytest.fixture
+def restore(engine, tiny_model):
+    yield
+    load_checkpoint(engine, tiny_model, weights_digest(tiny_model), 0)  # leave the shared engine as found
+
+
+def reference_logprobs(model_dir, prompt: list[int], tokens: list[int]):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0].numpy()
+
+
+def long_prompt(engine) -> list[int]:
+    """Longer than vLLM's CPU KV block (128 tokens), so its prefix cache holds whole blocks of it."""
+    prompt = engine.chat_prompt([{"role": "user", "content": "What is 4 + 4? Answer with just the number. " * 8}])
+    assert len(prompt) > 128
+    return prompt
+
+
+def test_requests_in_flight_across_a_swap_finish_with_each_token_from_its_version(engine, tiny_model, v1, restore):
+    prompt = long_prompt(engine)
+    engine.submit("group", prompt, n=3, max_tokens=30)
+    engine.submit("short-prompt", prompt[:40], n=1, max_tokens=30)
+    for _ in range(8):
+        assert engine.step() == {}  # nothing finishes in 8 steps of 30-token requests
+    engine.reload(checkpoint_source(str(v1)), 1)
+    assert engine.version == 1 and engine.in_flight == 2
+    done: dict = {}
+    while engine.in_flight:
+        for rid, samples in engine.step().items():
+            assert rid not in done, "a request returned twice"
+            done[rid] = samples
+    assert sorted(done) == ["group", "short-prompt"] and len(done["group"]) == 3
+    refs = {0: tiny_model, 1: v1}
+    for rid, p in (("group", prompt), ("short-prompt", prompt[:40])):
+        for s in done[rid]:
+            assert len(s.token_ids) == len(s.logprobs) == 30  # nothing dropped or repeated across the pause
+            (first, v_first), (swap, v_swap) = s.versions
+            assert (first, v_first, v_swap) == (0, 0, 1) and 1 <= swap < 30
+            want = {v: reference_logprobs(d, p, s.token_ids) for v, d in refs.items()}
+            got = np.asarray(s.logprobs)
+            assert np.abs(got[:swap] - want[0][:swap]).max() < TOLERANCE
+            assert np.abs(got[swap:] - want[1][swap:]).max() < TOLERANCE
+            assert np.abs(got[swap:] - want[0][swap:]).max() > 100 * TOLERANCE  # the weights really changed
+
+
+def test_after_a_reload_no_token_comes_from_the_old_weights_prefix_cache(engine, tiny_model, v1, restore):
+    """vLLM caches the KV of whole prompt blocks; a reload empties that cache (it was computed by the old weights)."""
+    prompt = long_prompt(engine)
+    engine.generate([prompt], n=1, max_tokens=4)  # fills the prefix cache under version 0
+    engine.reload(checkpoint_source(str(v1)), 1)
+    (s,), = engine.generate([prompt], n=1, max_tokens=12)
+    assert s.versions == [(0, 1)]
+    assert np.abs(np.asarray(s.logprobs) - reference_logprobs(v1, prompt, s.token_ids)).max() < TOLERANCE
+
+
+def test_generate_leaves_other_requests_in_flight_to_their_owner(engine):
+    prompt = engine.chat_prompt([{"role": "user", "content": "Count."}])
+    engine.submit("mine", prompt, n=2, max_tokens=20)
+    (a, b), = engine.generate([prompt], n=2, max_tokens=3)
+    assert len(a.token_ids) <= 3 and engine.in_flight == 1
+    done = {}
+    while engine.in_flight:
+        done.update(engine.step())
+    assert list(done) == ["mine"] and len(done["mine"]) == 2
+
+
+def test_streaming_explorer_swaps_weights_in_flight_and_puts_every_group_once(broker_factory, clients, engine,
+                                                                              v1, restore):
+    """sync_style async + streaming: version 1 is announced while groups are in flight; the explorer swaps it in
+    without draining, and the groups that spanned it say so (first and last version, and where)."""
+    b = broker_factory("sync.sync_style=async", "sync.max_staleness=8", "rollout.repeat=2", "rollout.max_tokens=24",
+                       "data.batch_tasks=2", "data.max_tasks=12", "sync.max_swapping=1")
+    trainer = clients(b, "trainer", "tr")
+    ex_cfg = explorer_config(b, "sync.sync_style=async", "rollout.repeat=2", "rollout.max_tokens=24",
+                             "explorer.streaming=true", "explorer.inflight_tasks=4", "explorer.tasks_per_lease=2")
+    from rlbus.explorer.main import Explorer
+
+    ex = Explorer(ex_cfg, engine, name="streamer")
+    thread = threading.Thread(target=ex.run, name="explorer")
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while engine.in_flight < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        publish(trainer, v1, 1)
+        thread.join(120)
+        assert not thread.is_alive()
+    finally:
+        ex.stop()
+        thread.join(10)
+    groups, metas, payloads = fetch_all(trainer, max_groups=64)
+    assert len(groups) == 12 and len({m["id"] for m in metas}) == 24  # the whole taskset, each group once
+    spans = [(m["policy_version"], m["last_version"]) for m in metas]
+    assert (0, 1) in spans and (1, 1) in spans and set(spans) <= {(0, 0), (0, 1), (1, 1)}
+    for meta, body in zip(metas, payloads):
+        versions = body["versions"]
+        assert versions[0][1] == meta["policy_version"] and versions[-1][1] == meta["last_version"]
+        assert [v for _, v in versions] == sorted({v for _, v in versions})
+        assert all(0 <= start < len(body["response_ids"]) for start, _ in versions[1:])
+    loads = [e for e in b.log_events() if e["event"] in ("swap_granted", "swap_released")]
+    assert [e["event"] for e in loads] == ["swap_granted", "swap_released"]
