@@ -12,7 +12,9 @@ step is the same work in every mode. From the logs of each run:
 
 - steps_per_hour over the steady part (the first `warmup` steps dropped);
 - trainer_idle: share of step time the trainer waited for data;
-- explorer_idle: share of the explorers' wall time outside rollouts;
+- explorer_idle: share of the explorers' wall time their engine was not
+  stepping (from their `explorer_activity` lines);
+- trajectories_per_hour: samples the explorers generated, per hour;
 - staleness_mean: mean (step - policy version) of the trained samples;
 - expired_share: share of all generated samples retired unused as too stale;
 - R and T: median rollout seconds per explorer batch and median training
@@ -43,21 +45,21 @@ from rlbus.logview import events as log_events  # noqa: E402
 MODES = ["synchronous", "one_step_off_policy", "fully_async", "multi_explorer_async"]
 
 
-def run_mode(mode: str, steps: int, model: str, root: Path) -> Path:
-    run_dir = root / mode
+def run_mode(mode: str, steps: int, model: str, root: Path, extra: tuple[str, ...] = (), tag: str = "") -> Path:
+    run_dir = root / (tag or mode)
     sets = [f"run.dir={run_dir}", f"model.path={model}", f"broker.port={free_port()}",
             f"broker.pub_port={free_port()}", f"trainer.total_steps={steps}", "trainer.checkpoint_every=0",
             "explorer.eval_every=0", "algorithm.fill_batch=false", "data.batch_tasks=4", "rollout.repeat=8",
             "explorer.tasks_per_lease=4", "rollout.max_tokens=24", "trainer.lr=5e-6", "trainer.micro_batch=8",
             "algorithm.skip_zero_spread=false", "trainer.autocast=bfloat16", "trainer.threads=1",
-            "logging.format=json", "launch.status_interval_s=30"]
+            "logging.format=json", "launch.status_interval_s=30", *extra]
     cmd = [sys.executable, "-m", "rlbus.cli", "up", str(REPO / "configs" / "modes" / f"{mode}.yaml")]
     cmd += [x for s in sets for x in ("--set", s)]
     started = time.monotonic()
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"{mode}: rlbus up exited with {done.returncode}: {done.stderr[-2000:]}")
-    print(f"{mode}: ran {steps} steps in {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
+    print(f"{tag or mode}: ran {steps} steps in {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
     return run_dir
 
 
@@ -76,22 +78,34 @@ def measure(run_dir: Path, warmup: int) -> dict:
            "staleness_mean": round(sum(k * n for k, n in staleness) / samples, 3) if samples else None,
            "T": round(statistics.median(s["compute_s"] + s["publish_s"] for s in steady), 3)}
     t0, t1 = steady[0]["ts"] - steady[0]["step_s"], steady[-1]["ts"]
-    idle, rollouts = [], []
+    idle, rollouts, made = [], [], 0
     for log in sorted((run_dir / "logs").glob("explorer-*.jsonl")):
-        batches = [b for b in events(run_dir, log.stem, "explorer_batch") if t0 <= b["ts"] - b["rollout_s"] < t1]
-        busy = sum(min(b["ts"], t1) - (b["ts"] - b["rollout_s"]) for b in batches)
-        idle.append(1 - busy / (t1 - t0))
-        rollouts += [b["rollout_s"] for b in batches]
+        share = idle_share(events(run_dir, log.stem, "explorer_activity"), t0, t1)
+        if share is not None:
+            idle.append(share)
+        batches = events(run_dir, log.stem, "explorer_batch")
+        rollouts += [b["rollout_s"] for b in batches if t0 <= b["ts"] - b["rollout_s"] < t1]
+        made += sum(b["samples"] for b in batches + events(run_dir, log.stem, "explorer_groups") if t0 <= b["ts"] < t1)
     out["explorer_idle"] = round(statistics.mean(idle), 3) if idle else None
+    out["trajectories_per_hour"] = round(made / (t1 - t0) * 3600, 1)
     out["R"] = round(statistics.median(rollouts), 3) if rollouts else None
     out["expired_share"] = expired_share(run_dir)
     return out
 
 
+def idle_share(activity: list[dict], t0: float, t1: float) -> float | None:
+    """1 - busy/wall of one explorer between its first and last `explorer_activity` lines inside [t0, t1]."""
+    inside = [a for a in activity if t0 <= a["ts"] <= t1]
+    if len(inside) < 2 or inside[-1]["wall_s"] <= inside[0]["wall_s"]:
+        return None
+    a, b = inside[0], inside[-1]
+    return 1 - (b["busy_s"] - a["busy_s"]) / (b["wall_s"] - a["wall_s"])
+
+
 def expired_share(run_dir: Path) -> float | None:
     """Share of all generated samples the broker retired as too stale (rollouts wasted), whole run."""
     made = sum(b["samples"] for log in (run_dir / "logs").glob("explorer-*.jsonl")
-               for b in events(run_dir, log.stem, "explorer_batch"))
+               for b in events(run_dir, log.stem, "explorer_batch") + events(run_dir, log.stem, "explorer_groups"))
     expired = sum(e["expired"] for e in events(run_dir, "broker", "groups_retired"))
     return round(expired / made, 4) if made else None
 

@@ -30,6 +30,7 @@ says BYE, which releases any lease it still holds; if the broker has gone too
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import signal
 import threading
 import time
@@ -242,7 +243,7 @@ class Explorer:
         rollouts = Rollouts(self.engine, **self._settings())
         loader = Loader(self) if in_flight_updates else None
         pending: list[Future] = []
-        lease_after, exhausted, answered = 0.0, False, 0
+        lease_after, exhausted, answered, bound = 0.0, False, 0, self.engine.version
         try:
             while True:
                 stopping = (self.stop_event.is_set() or exhausted
@@ -273,6 +274,9 @@ class Explorer:
                     self._activity.tick(0)
                     continue
                 groups = rollouts.step()
+                if self.engine.version != bound:  # the loader swapped a version in (and bound it in its thread)
+                    bound = self.engine.version
+                    bind(policy_version=bound)
                 if groups:
                     pending = _unacknowledged(pending) + [self._put(groups)]
                     answered += len(groups)
@@ -326,7 +330,9 @@ class Loader:
     def __init__(self, explorer: Explorer):
         self.explorer = explorer
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="weights-loader", daemon=True)
+        # In the explorer's logging context (its peer name): a new thread would start with an empty one.
+        context = contextvars.copy_context()
+        self._thread = threading.Thread(target=context.run, args=(self._run,), name="weights-loader", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:

@@ -24,6 +24,7 @@ BENCHMARKS = {
     "explorer": ["--model", "{tiny}"],
     "weight_sync": ["--model", "{tiny}"],
     "modes": ["--model", "{tiny}"],
+    "streaming": ["--model", "{tiny}"],
     "learning": ["--model", "{tiny}"],
 }
 
