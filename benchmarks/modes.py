@@ -13,7 +13,10 @@ step is the same work in every mode. From the logs of each run:
 - steps_per_hour over the steady part (the first `warmup` steps dropped);
 - trainer_idle: share of step time the trainer waited for data;
 - explorer_idle: share of the explorers' wall time their engine was not
-  stepping (from their `explorer_activity` lines);
+  stepping (from their `explorer_activity` lines); explorer_idle_unheld:
+  the same share of the time the broker was not holding them back (WAIT:
+  too far ahead of the trainer); sequences_in_flight: the mean sequences
+  each was generating;
 - trajectories_per_hour: samples the explorers generated, per hour;
 - staleness_mean: mean (step - policy version) of the trained samples;
 - expired_share: share of all generated samples retired unused as too stale;
@@ -78,28 +81,37 @@ def measure(run_dir: Path, warmup: int) -> dict:
            "staleness_mean": round(sum(k * n for k, n in staleness) / samples, 3) if samples else None,
            "T": round(statistics.median(s["compute_s"] + s["publish_s"] for s in steady), 3)}
     t0, t1 = steady[0]["ts"] - steady[0]["step_s"], steady[-1]["ts"]
-    idle, rollouts, made = [], [], 0
+    idle, unheld, occupancy, rollouts, made = [], [], [], [], 0
     for log in sorted((run_dir / "logs").glob("explorer-*.jsonl")):
-        share = idle_share(events(run_dir, log.stem, "explorer_activity"), t0, t1)
-        if share is not None:
-            idle.append(share)
+        shares = idle_share(events(run_dir, log.stem, "explorer_activity"), t0, t1)
+        if shares is not None:
+            idle.append(shares[0])
+            unheld.append(shares[1])
+            occupancy.append(shares[2])
         batches = events(run_dir, log.stem, "explorer_batch")
         rollouts += [b["rollout_s"] for b in batches if t0 <= b["ts"] - b["rollout_s"] < t1]
         made += sum(b["samples"] for b in batches + events(run_dir, log.stem, "explorer_groups") if t0 <= b["ts"] < t1)
     out["explorer_idle"] = round(statistics.mean(idle), 3) if idle else None
+    out["explorer_idle_unheld"] = round(statistics.mean(unheld), 3) if unheld else None
+    out["sequences_in_flight"] = round(statistics.mean(occupancy), 2) if occupancy else None
     out["trajectories_per_hour"] = round(made / (t1 - t0) * 3600, 1)
     out["R"] = round(statistics.median(rollouts), 3) if rollouts else None
     out["expired_share"] = expired_share(run_dir)
     return out
 
 
-def idle_share(activity: list[dict], t0: float, t1: float) -> float | None:
-    """1 - busy/wall of one explorer between its first and last `explorer_activity` lines inside [t0, t1]."""
+def idle_share(activity: list[dict], t0: float, t1: float) -> tuple[float, float, float] | None:
+    """One explorer between its first and last `explorer_activity` lines inside [t0, t1]: the share of wall time
+    its engine was not stepping; the same share of the time the broker did not hold it back (WAIT); and the
+    mean sequences it was generating."""
     inside = [a for a in activity if t0 <= a["ts"] <= t1]
     if len(inside) < 2 or inside[-1]["wall_s"] <= inside[0]["wall_s"]:
         return None
     a, b = inside[0], inside[-1]
-    return 1 - (b["busy_s"] - a["busy_s"]) / (b["wall_s"] - a["wall_s"])
+    wall, busy = b["wall_s"] - a["wall_s"], b["busy_s"] - a["busy_s"]
+    free = wall - (b.get("held_s", 0.0) - a.get("held_s", 0.0))
+    mean = (b["sequences_mean"] * b["wall_s"] - a["sequences_mean"] * a["wall_s"]) / wall
+    return 1 - busy / wall, 1 - busy / free if free > 0 else 0.0, mean
 
 
 def expired_share(run_dir: Path) -> float | None:

@@ -1,45 +1,176 @@
 """Streaming explorers (in-flight weight updates) against batch-at-a-time multi-explorer async, same workload.
 
-    .venv/bin/python benchmarks/streaming.py [--steps N] [--model smollm2-135m] [--workloads even,uneven]
+    .venv/bin/python benchmarks/streaming.py [--trainer paced|real] [--steps N] [--model smollm2-135m]
+                                             [--workloads even,uneven]
 
-Each pair of runs is benchmarks/modes.py's setting (SmolLM2-135M, 4 prompts
-x 8 samples per step, trainer on core 0, two explorers on core 1, every
-step the same work) from the presets `multi_explorer_async` and
-`streaming`, which differ only in how the explorers work. Workloads:
+Each pair of runs uses the presets `multi_explorer_async` and `streaming`,
+which differ only in how the explorers work, with benchmarks/modes.py's
+settings (SmolLM2-135M, 4 prompts x 8 samples per step, every step the same
+work). Workloads:
 
 - even: the default task ("a + b"), responses of at most 24 tokens;
 - uneven: the countdown task with up to 160 tokens, where response lengths
   spread widely and a batch waits for its slowest sample.
 
+Trainers:
+
+- paced (default): the explorers are the bottleneck. A stand-in trainer in
+  this process FETCHes each step's groups as soon as they are ready,
+  COMMITs, and publishes the next version at once (the same weights under a
+  new version number, so every explorer really loads every version); the
+  two explorers get a core each. steps_per_hour is then what the explorers
+  can feed.
+- real: `rlbus up` with the real trainer on core 0 and both explorers on
+  core 1, as benchmarks/modes.py. On two cores the trainer is the
+  bottleneck (a step takes longer to train than to generate), so both modes
+  give the trainer's pace and the explorers are held back.
+
 From each run's logs (steady part): steps_per_hour, trajectories_per_hour
 (generated), explorer_idle (share of the explorers' wall time their engine
-was not stepping), staleness_mean, expired_share. The last line is one
-JSON object with `streaming_idle_share` and `streaming_vs_async_steps_ratio`
-(on the uneven workload) besides every figure.
+was not stepping), explorer_idle_unheld (the same, of the time the broker
+was not holding them back), sequences_in_flight, staleness_mean,
+expired_share. The last line is one JSON object with `streaming_idle_share`
+and `streaming_vs_async_steps_ratio` (on the uneven workload) besides every
+figure.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+import signal
+import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.modes import measure, run_mode  # noqa: E402
+from benchmarks.harness import REPO, free_port  # noqa: E402
+from benchmarks.modes import events, idle_share, measure, run_mode  # noqa: E402
 
 WORKLOADS = {
     "even": (),
     "uneven": ("data.taskset=countdown", "rollout.max_tokens=160"),
 }
 MODES = ["multi_explorer_async", "streaming"]
+SETTINGS = ["trainer.checkpoint_every=0", "explorer.eval_every=0", "algorithm.fill_batch=false", "data.batch_tasks=4",
+            "rollout.repeat=8", "explorer.tasks_per_lease=4", "rollout.max_tokens=24",
+            "algorithm.skip_zero_spread=false", "logging.format=json"]
+
+
+def run_paced(mode: str, steps: int, model: str, root: Path, extra: tuple[str, ...], tag: str, warmup: int,
+              explorers: int = 2) -> dict:
+    """Broker and explorers as processes, a stand-in trainer here (see the module docstring); the figures."""
+    from rlbus.common import protocol as P
+    from rlbus.common.client import BrokerClient
+    from rlbus.common.config import load_config
+    from rlbus.weights.digest import weights_digest
+    from rlbus.weights.models import resolve_model
+
+    run_dir = root / tag
+    logs, weights = run_dir / "logs", run_dir / "weights"
+    logs.mkdir(parents=True)
+    model_dir = Path(resolve_model(model))
+    preset = REPO / "configs" / "modes" / f"{mode}.yaml"
+    port, pub_port = free_port(), free_port()
+    sets = [f"run.dir={run_dir}", f"model.path={model_dir}", f"broker.port={port}", f"broker.pub_port={pub_port}",
+            f"broker.address=tcp://127.0.0.1:{port}", f"broker.pub_address=tcp://127.0.0.1:{pub_port}",
+            "sync.serve=false", *SETTINGS, *extra]
+    cfg = load_config(preset, sets, environ={})
+    base = weights / "base"  # one copy on this file system, hard-linked as every version
+    shutil.copytree(model_dir, base)
+    digest = weights_digest(base)
+    procs: list[subprocess.Popen] = []
+
+    def start(command: str, name: str, cpu: int | None, *more: str) -> None:
+        args = [sys.executable, "-m", "rlbus.cli", command, str(preset), *more,
+                *[x for s in sets + [f"logging.file={logs / (name + '.jsonl')}"] for x in ("--set", s)]]
+        with open(logs / f"{name}.out", "wb") as out:
+            # In this process's group: whoever stops the benchmark by its group stops them too.
+            procs.append(subprocess.Popen(args, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                          preexec_fn=(lambda: os.sched_setaffinity(0, {cpu})) if cpu is not None
+                                          else None))
+
+    steps_at, staleness = [], []
+    client = None
+    try:
+        start("broker", "broker", None)
+        while not (cfg.buffer_dir() / "endpoints.json").exists():
+            time.sleep(0.05)
+        for i in range(explorers):
+            start("explorer", f"explorer-{i}", i % os.cpu_count(), "--name", f"explorer-{i}")
+        client = BrokerClient(f"tcp://127.0.0.1:{cfg.broker.port}", "trainer", "trainer", bus_address=None)
+        client.start(timeout=60)
+        while sum(p["role"] == "explorer" for p in client.request(P.STATUS).header["peers"]) < explorers:
+            exited(procs, logs)
+            time.sleep(0.5)
+        step = 0
+        while step < steps:
+            reply = client.request(P.FETCH, {"step": step, "max_groups": cfg.data.batch_tasks,
+                                             "min_groups": cfg.data.batch_tasks, "wait_ms": 10_000}, timeout=60)
+            if reply.command != P.BATCH or len(reply.header["groups"]) < cfg.data.batch_tasks:
+                exited(procs, logs)
+                continue
+            staleness += [step - t["policy_version"] for g in reply.header["groups"] for t in g["trajectories"]]
+            client.request(P.COMMIT, {"step": step})
+            step += 1
+            version_dir = weights / f"v{step}"
+            shutil.copytree(base, version_dir, copy_function=os.link)  # the same bytes, a new version
+            client.request(P.PUBLISH, {"version": step, "method": "checkpoint", "location": str(version_dir),
+                                       "digest": digest, "step": step})
+            steps_at.append(time.time())
+    finally:
+        if client is not None:
+            client.close(bye=True)
+        for proc in reversed(procs):
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGTERM)
+        for proc in reversed(procs):
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    print(f"{tag}: ran {steps} steps", file=sys.stderr, flush=True)
+    return measure_paced(run_dir, steps_at, staleness, cfg.data.batch_tasks * cfg.rollout.repeat, warmup)
+
+
+def exited(procs: list[subprocess.Popen], logs: Path) -> None:
+    """Raise if a component has exited (the run cannot go on)."""
+    for proc in procs:
+        if proc.poll() is not None:
+            raise RuntimeError(f"a component exited with {proc.returncode}: {' '.join(proc.args[3:5])}; see {logs}")
+
+
+def measure_paced(run_dir: Path, steps_at: list[float], staleness: list[int], per_step: int, warmup: int) -> dict:
+    """Figures over the steps after the first `warmup` (at least one: the window opens when it ends)."""
+    warmup = max(1, warmup)
+    t0, t1 = steps_at[warmup - 1], steps_at[-1]
+    n = len(steps_at) - warmup
+    idle, unheld, occupancy, made = [], [], [], 0
+    for log in sorted((run_dir / "logs").glob("explorer-*.jsonl")):
+        shares = idle_share(events(run_dir, log.stem, "explorer_activity"), t0, t1)
+        if shares is not None:
+            idle.append(shares[0])
+            unheld.append(shares[1])
+            occupancy.append(shares[2])
+        made += sum(b["samples"] for b in events(run_dir, log.stem, "explorer_batch")
+                    + events(run_dir, log.stem, "explorer_groups") if t0 <= b["ts"] < t1)
+    steady = staleness[warmup * per_step:]
+    mean = lambda xs: round(sum(xs) / len(xs), 3) if xs else None  # noqa: E731
+    return {"steps": n, "seconds": round(t1 - t0, 1), "steps_per_hour": round(n / (t1 - t0) * 3600, 1),
+            "trajectories_per_hour": round(made / (t1 - t0) * 3600, 1), "explorer_idle": mean(idle),
+            "explorer_idle_unheld": mean(unheld), "sequences_in_flight": mean(occupancy),
+            "staleness_mean": mean(steady)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--trainer", choices=["paced", "real"], default="paced")
     parser.add_argument("--steps", type=int, default=16, help="steps per run")
     parser.add_argument("--warmup", type=int, default=3, help="steps dropped from each run's figures")
     parser.add_argument("--model", default="smollm2-135m")
@@ -48,16 +179,19 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="2 steps of the even workload: checks that it runs")
     args = parser.parse_args()
     if args.smoke:
-        args.workloads, args.steps, args.warmup = "even", 2, 0
+        args.workloads, args.steps, args.warmup = "even", 5, 1
     root = Path(tempfile.mkdtemp(prefix="rlbus-streaming-"))
     results: dict = {}
     for workload in args.workloads.split(","):
         for mode in MODES:
             tag = f"{workload}-{mode}"
-            run_dir = run_mode(mode, args.steps, args.model, root, WORKLOADS[workload], tag)
-            results.setdefault(workload, {})[mode] = measure(run_dir, args.warmup)
+            if args.trainer == "paced":
+                figures = run_paced(mode, args.steps, args.model, root, WORKLOADS[workload], tag, args.warmup)
+            else:
+                figures = measure(run_mode(mode, args.steps, args.model, root, WORKLOADS[workload], tag), args.warmup)
+            results.setdefault(workload, {})[mode] = figures
             print(f"{tag}: {json.dumps(results[workload][mode])}", flush=True)
-    summary: dict = {"workloads": results}
+    summary: dict = {"trainer": args.trainer, "workloads": results}
     for workload, runs in results.items():
         batch, stream = runs["multi_explorer_async"], runs["streaming"]
         summary[f"{workload}_steps_ratio"] = round(stream["steps_per_hour"] / batch["steps_per_hour"], 3)

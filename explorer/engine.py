@@ -84,7 +84,8 @@ class Engine:
         self.busy_s = 0.0  # time spent in engine steps that had requests to run
         self.paused_s = 0.0  # time generation stood still for weight loads
         self._lock = threading.Lock()
-        self._requests: set[str] = set()  # submitted, not yet returned by step
+        self.sequence_s = 0.0  # the integral over busy time of the sequences being generated
+        self._requests: dict[str, int] = {}  # submitted, not yet returned by step: id -> samples
         self._finished: dict[str, list[Sample]] = {}  # finished while someone else was stepping
         self._ids = itertools.count()
         log.info("engine_started", model=model, dtype=dtype, core="inline" if self.inline else "process",
@@ -114,20 +115,24 @@ class Engine:
             raise ValueError(f"request {request_id!r} is already in flight")
         with self._lock:
             self.llm.llm_engine.add_request(request_id, {"prompt_token_ids": list(prompt)}, params)
-        self._requests.add(request_id)
+        self._requests[request_id] = n
 
     def step(self) -> dict[str, list[Sample]]:
         """One engine step; returns the requests finished since the last call, by id, samples in order."""
         done, self._finished = self._finished, {}
-        if self._requests.difference(done):
+        running = sum(n for rid, n in self._requests.items() if rid not in done)
+        if running:
             with self._lock:
                 started = time.monotonic()
                 outputs = self.llm.llm_engine.step()
-                self.busy_s += time.monotonic() - started
+                elapsed = time.monotonic() - started
+            self.busy_s += elapsed
+            self.sequence_s += running * elapsed
             for out in outputs:
                 if out.finished:
                     done[out.request_id] = [_sample(c) for c in sorted(out.outputs, key=lambda c: c.index)]
-        self._requests.difference_update(done)
+        for rid in done:
+            self._requests.pop(rid, None)
         return done
 
     def generate(self, prompts: Sequence[Sequence[int]], n: int, temperature: float = 1.0, top_p: float = 1.0,
@@ -138,13 +143,12 @@ class Engine:
         for rid, prompt in zip(ids, prompts):
             self.submit(rid, prompt, n, temperature, top_p, max_tokens, stop_token_ids)
         mine: dict[str, list[Sample]] = {}
+        others: dict[str, list[Sample]] = {}
         while len(mine) < len(ids):
             for rid, samples in self.step().items():
-                if rid in ids:
-                    mine[rid] = samples
-                else:
-                    self._finished[rid] = samples
-        self._requests.update(self._finished)
+                (mine if rid in ids else others)[rid] = samples
+        self._finished.update(others)  # handed to their owner's next step
+        self._requests.update({rid: len(samples) for rid, samples in others.items()})
         return [mine[rid] for rid in ids]
 
     def warm_up(self) -> None:
@@ -179,15 +183,6 @@ class Engine:
                  in_flight=len(self._requests),
                  **{k: round(v, 3) if isinstance(v, float) else v for k, v in info.items()})
         return info
-
-    def abort(self) -> int:
-        """Drop every request in flight (a stopping explorer's); returns how many."""
-        ids = sorted(self._requests)
-        with self._lock:
-            self.llm.llm_engine.abort_request(ids)
-        self._requests.clear()
-        self._finished.clear()
-        return len(ids)
 
     def close(self) -> None:
         """Stop vLLM's engine core (its process, when it has one: without this the interpreter waits for it

@@ -128,7 +128,7 @@ class Explorer:
                 self._load_newest()
                 if self.engine.version >= need:
                     break
-            self.stop_event.wait(min(0.05, retry_after))
+            self._hold(min(0.05, retry_after))
         log.info("weights_wait_over", policy_version=self.engine.version, need_version=need,
                  waited_s=round(time.monotonic() - started, 3))
 
@@ -230,7 +230,13 @@ class Explorer:
         if header["reason"] == "version":
             self._wait_for_version(header["need_version"], header["retry_after_s"])
         else:
-            self.stop_event.wait(header["retry_after_s"])
+            self._hold(header["retry_after_s"])
+
+    def _hold(self, seconds: float) -> None:
+        """Wait with nothing to generate because the broker said WAIT (counted as `held_s`)."""
+        started = time.monotonic()
+        self.stop_event.wait(seconds)
+        self._activity.held_s += time.monotonic() - started
 
     def _put(self, groups: list[list[tuple[dict, bytes]]]) -> Future:
         return self.client.put_async([t for g in groups for t in g])
@@ -270,7 +276,7 @@ class Explorer:
                 if not rollouts.tasks:
                     if stopping:
                         break
-                    self.stop_event.wait(max(0.0, min(lease_after - time.monotonic(), 0.5)))
+                    self._hold(max(0.0, min(lease_after - time.monotonic(), 0.5)))
                     self._activity.tick(0)
                     continue
                 groups = rollouts.step()
@@ -280,7 +286,7 @@ class Explorer:
                 if groups:
                     pending = _unacknowledged(pending) + [self._put(groups)]
                     answered += len(groups)
-                    self._emit_groups(groups)
+                    self._emit_groups(groups, max(rollouts.generate_s))
                 self._activity.tick(self.engine.in_flight)
         finally:
             if loader is not None:
@@ -288,7 +294,7 @@ class Explorer:
         log.info("stream_drained", groups=answered, leases=self.batches)
         return pending
 
-    def _emit_groups(self, groups: list[list[tuple[dict, bytes]]]) -> None:
+    def _emit_groups(self, groups: list[list[tuple[dict, bytes]]], rollout_s: float) -> None:
         items = [t for g in groups for t in g]
         rewards = [m["reward"] for m, _ in items]
         first = [m["policy_version"] for m, _ in items]
@@ -297,7 +303,7 @@ class Explorer:
                      batch_index=min(m["batch_index"] for m, _ in items), policy_version=self.engine.version,
                      version_min=min(first), version_max=max(last), swapped=sum(a != b for a, b in zip(first, last)),
                      reward_mean=round(sum(rewards) / len(rewards), 4), tokens=sum(m["n_tokens"] for m, _ in items),
-                     in_flight=self.engine.in_flight)
+                     rollout_s=round(rollout_s, 3), in_flight=self.engine.in_flight)
 
     @contextlib.contextmanager
     def swap_slot(self, version: int) -> Iterator[None]:
@@ -310,7 +316,8 @@ class Explorer:
             reply = self.client.request(P.SWAP, {"phase": "begin", "version": version}, timeout=None)
             if reply.command == P.OK:
                 break
-            self.stop_event.wait(reply.header["retry_after_s"])
+            if self.stop_event.wait(reply.header["retry_after_s"]):
+                raise Stopping("stopped while waiting for a swap slot")
         waited = time.monotonic() - started
         if waited > 0.01:
             log.info("swap_slot_waited", policy_version=version, waited_s=round(waited, 3))
@@ -321,6 +328,10 @@ class Explorer:
                 self.client.request(P.SWAP, {"phase": "end", "version": version}, timeout=30)
             except (BrokerError, BrokerUnreachable, TimeoutError) as exc:  # the broker frees it when its time is up
                 log.warning("swap_slot_not_released", error=str(exc))
+
+
+class Stopping(Exception):
+    """The explorer is stopping: a load not begun yet is given up."""
 
 
 class Loader:
@@ -343,6 +354,8 @@ class Loader:
             if state.get("version", 0) > ex.engine.version:
                 try:
                     ex._load_newest(engine)
+                except Stopping:
+                    return
                 except Exception:
                     log.exception("weights_load_failed", version=state.get("version"))
                     self._stop.wait(RETRY_S)
@@ -374,20 +387,20 @@ class _Slotted:
 
 class Activity:
     """The engine's busy share, logged every ACTIVITY_EVERY_S as `explorer_activity` (cumulative seconds, so a
-    reader takes any window's share from two lines)."""
+    reader takes any window's share from two lines): `busy_s` in engine steps, `paused_s` in weight loads,
+    `held_s` with nothing to do because the broker said WAIT (admission: too far ahead of the trainer, or
+    waiting for a version), `idle_share` = 1 - busy / wall, `sequences_mean` the sequences being generated,
+    on average over wall time."""
 
     def __init__(self, engine):
         self.engine = engine
         self.started = time.monotonic()
-        self.last = self.started
-        self.busy0, self.paused0 = engine.busy_s, engine.paused_s  # warm-up and earlier runs are not counted
-        self.in_flight_area = 0.0  # the integral of requests in flight over time
+        # warm-up and earlier runs are not counted
+        self.busy0, self.paused0, self.sequence0 = engine.busy_s, engine.paused_s, engine.sequence_s
+        self.held_s = 0.0
 
     def tick(self, in_flight: int) -> None:
-        now = time.monotonic()
-        self.in_flight_area += in_flight * (now - self.last)
-        self.last = now
-        if now - getattr(self, "_emitted", self.started) >= ACTIVITY_EVERY_S:
+        if time.monotonic() - getattr(self, "_emitted", self.started) >= ACTIVITY_EVERY_S:
             self.emit(in_flight)
 
     def emit(self, in_flight: int) -> None:
@@ -396,8 +409,9 @@ class Activity:
         wall = now - self.started
         busy = self.engine.busy_s - self.busy0
         metrics.emit("explorer_activity", wall_s=round(wall, 3), busy_s=round(busy, 3),
-                     paused_s=round(self.engine.paused_s - self.paused0, 3), idle_share=round(1 - busy / wall, 4) if wall else 0.0,
-                     requests_mean=round(self.in_flight_area / wall, 2) if wall else 0.0, in_flight=in_flight)
+                     paused_s=round(self.engine.paused_s - self.paused0, 3), held_s=round(self.held_s, 3), idle_share=round(1 - busy / wall, 4) if wall else 0.0,
+                     sequences_mean=round((self.engine.sequence_s - self.sequence0) / wall, 2) if wall else 0.0,
+                     in_flight=in_flight)
 
 
 def _unacknowledged(puts: list[Future]) -> list[Future]:

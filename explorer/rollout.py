@@ -118,6 +118,7 @@ class Rollouts:
         self.groups: dict[str, _Group] = {}
         self._requests: dict[str, list[_Episode]] = {}  # engine request id -> the episodes it samples for
         self._turns = itertools.count()
+        self.generate_s: list[float] = []  # of each group the last step completed: submitted to done
 
     @property
     def tasks(self) -> int:
@@ -157,6 +158,8 @@ class Rollouts:
             group = episodes[0].group
             if all(e.done for e in group.episodes):
                 finished.append(self.groups.pop(group.lease["lease_id"]))
+        now = time.monotonic()
+        self.generate_s = [now - group.submitted for group in finished]
         return [self._build(group) for group in finished]
 
     def _next_turn(self, episode: _Episode, sample) -> None:

@@ -152,7 +152,8 @@ class Launcher:
         step = last_event(self.logs / "trainer.jsonl", "train_step") or {}
         versions = {}
         for child in self.children[2:]:
-            batch = last_event(self.logs / f"{child.name}.jsonl", "explorer_batch") or {}
+            log_file = self.logs / f"{child.name}.jsonl"
+            batch = last_event(log_file, "explorer_batch") or last_event(log_file, "explorer_groups") or {}
             versions[child.name] = batch.get("policy_version")
         broker = last_event(self.logs / "broker.jsonl", field="depth") or {}  # the newest broker event that carries a depth
         alive = sum(1 for c in self.children[2:] if c.proc is not None and c.proc.poll() is None)

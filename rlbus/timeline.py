@@ -4,7 +4,9 @@ One lane per explorer and one for the trainer, plus the buffer's depth,
 with rollout, training, weight-sync and waiting spans in their own colours,
 all read from the components' logs:
 
-- explorer rollout: `explorer_batch` (ends at its time, lasts `rollout_s`);
+- explorer rollout: `explorer_batch`, or a streaming explorer's
+  `explorer_groups` (ends at its time, lasts `rollout_s`: of the groups it
+  reports, the longest from submission to its last sample);
 - explorer weight load: `weights_loaded` (lasts `seconds`);
 - explorer waiting for weights: `waiting_for_weights` to `weights_wait_over`;
 - trainer: `train_step` split into waiting for data, compute and publishing
@@ -41,7 +43,7 @@ def build(run_dir: str | Path) -> tuple[list[Span], list[tuple[float, int]], flo
     waiting: dict[str, float] = {}
     for e in events:
         t, lane, name = e["ts"] - t0, e.get("peer") or e.get("component", "?"), e["event"]
-        if name == "explorer_batch":
+        if name in ("explorer_batch", "explorer_groups"):
             spans.append(Span(lane, "rollout", t - e["rollout_s"], t))
         elif name == "weights_loaded" and e.get("component") == "explorer":
             spans.append(Span(lane, "sync", t - e["seconds"], t))

@@ -167,4 +167,6 @@ def test_streaming_explorers_swap_in_flight_one_at_a_time(tiny_model, tmp_path):
             assert s["step"] - s["version_span"][0] <= info["cfg"].sync.max_staleness
     for name in names:
         assert not events(run_dir, name, "waiting_for_weights")
+    spans, _, _ = build(run_dir)
+    assert {s.lane for s in spans if s.kind == "rollout"} == set(names)  # the timeline draws streaming rollouts
     check_staleness(run_dir, info["cfg"].sync.max_staleness)
