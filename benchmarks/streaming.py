@@ -3,8 +3,9 @@
     .venv/bin/python benchmarks/streaming.py [--trainer paced|real] [--steps N] [--model smollm2-135m]
                                              [--workloads even,uneven]
 
-Each pair of runs uses the presets `multi_explorer_async` and `streaming`,
-which differ only in how the explorers work, with benchmarks/modes.py's
+Each workload runs the presets `multi_explorer_async` and `streaming` (with
+`explorer.swap_kv` recompute, and keep as `streaming_keep`), which differ
+only in how the explorers work, with benchmarks/modes.py's
 settings (SmolLM2-135M, 4 prompts x 8 samples per step, every step the same
 work). Workloads:
 
@@ -56,7 +57,9 @@ WORKLOADS = {
     "even": (),
     "uneven": ("data.taskset=countdown", "rollout.max_tokens=160"),
 }
-MODES = ["multi_explorer_async", "streaming"]
+# name: (preset, settings beside it)
+MODES = {"multi_explorer_async": ("multi_explorer_async", ()), "streaming": ("streaming", ()),
+         "streaming_keep": ("streaming", ("explorer.swap_kv=keep",))}
 SETTINGS = ["trainer.checkpoint_every=0", "explorer.eval_every=0", "algorithm.fill_batch=false", "data.batch_tasks=4",
             "rollout.repeat=8", "explorer.tasks_per_lease=4", "rollout.max_tokens=24",
             "algorithm.skip_zero_spread=false", "logging.format=json"]
@@ -175,32 +178,41 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3, help="steps dropped from each run's figures")
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--workloads", default="even,uneven")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"of {', '.join(MODES)}")
     parser.add_argument("--keep", action="store_true", help="keep the run directories (printed)")
-    parser.add_argument("--smoke", action="store_true", help="2 steps of the even workload: checks that it runs")
+    parser.add_argument("--smoke", action="store_true",
+                        help="4 steps of the even workload in two modes: checks that it runs")
     args = parser.parse_args()
     if args.smoke:
-        args.workloads, args.steps, args.warmup = "even", 5, 1
+        args.workloads, args.modes, args.steps, args.warmup = "even", "multi_explorer_async,streaming_keep", 4, 1
     root = Path(tempfile.mkdtemp(prefix="rlbus-streaming-"))
     results: dict = {}
     for workload in args.workloads.split(","):
-        for mode in MODES:
+        for mode in args.modes.split(","):
             tag = f"{workload}-{mode}"
+            preset, settings = MODES[mode]
+            extra = (*WORKLOADS[workload], *settings)
             if args.trainer == "paced":
-                figures = run_paced(mode, args.steps, args.model, root, WORKLOADS[workload], tag, args.warmup)
+                figures = run_paced(preset, args.steps, args.model, root, extra, tag, args.warmup)
             else:
-                figures = measure(run_mode(mode, args.steps, args.model, root, WORKLOADS[workload], tag), args.warmup)
+                figures = measure(run_mode(preset, args.steps, args.model, root, extra, tag), args.warmup)
             results.setdefault(workload, {})[mode] = figures
             print(f"{tag}: {json.dumps(results[workload][mode])}", flush=True)
     summary: dict = {"trainer": args.trainer, "workloads": results}
     for workload, runs in results.items():
-        batch, stream = runs["multi_explorer_async"], runs["streaming"]
-        summary[f"{workload}_steps_ratio"] = round(stream["steps_per_hour"] / batch["steps_per_hour"], 3)
-        summary[f"{workload}_trajectories_ratio"] = round(stream["trajectories_per_hour"]
-                                                          / batch["trajectories_per_hour"], 3)
+        batch = runs.get("multi_explorer_async")
+        for mode, figures in runs.items():
+            if batch and mode != "multi_explorer_async":
+                summary[f"{workload}_{mode}_steps_ratio"] = round(figures["steps_per_hour"]
+                                                                  / batch["steps_per_hour"], 3)
     key = "uneven" if "uneven" in results else next(iter(results))
-    summary["streaming_idle_share"] = results[key]["streaming"]["explorer_idle"]
-    summary["async_idle_share"] = results[key]["multi_explorer_async"]["explorer_idle"]
-    summary["streaming_vs_async_steps_ratio"] = summary[f"{key}_steps_ratio"]
+    runs = results[key]
+    if "streaming" in runs:
+        summary["streaming_idle_share"] = runs["streaming"]["explorer_idle"]
+        summary["streaming_vs_async_steps_ratio"] = summary.get(f"{key}_streaming_steps_ratio")
+    if "streaming_keep" in runs:
+        summary["streaming_keep_idle_share"] = runs["streaming_keep"]["explorer_idle"]
+        summary["streaming_keep_vs_async_steps_ratio"] = summary.get(f"{key}_streaming_keep_steps_ratio")
     if args.keep:
         summary["run_dirs"] = str(root)
     else:

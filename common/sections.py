@@ -250,6 +250,11 @@ class ExplorerConfig(Section):
     batch at a time, new weights between batches."""
     inflight_tasks: int = Field(0, ge=0)
     """Streaming: tasks kept in flight (each `repeat` samples). 0: tasks_per_lease."""
+    swap_kv: Literal["recompute", "keep"] = "recompute"
+    """Requests in flight when new weights are swapped in: recompute their KV under the new weights (exact: every
+    token is sampled from the version it is labelled with, at the cost of a prefill of everything in flight per
+    swap), or keep it (later tokens attend to KV older weights computed; their logprobs are still the ones they
+    were sampled with; prefix caching is then off)."""
     engine_core: Literal["auto", "inline", "process"] = "auto"
     """Where vLLM's engine core runs: inside the explorer process, or in a process of its own. auto: inline on
     vLLM's CPU build (the tiny model's engine starts in ~5 s instead of ~24 s, and generates on all the

@@ -16,7 +16,10 @@ every worker, labels later steps with the new version, empties the prefix
 cache and recomputes the running requests' KV under the new weights (so no
 token after the swap is sampled from a cache the old weights wrote), then
 resumes. A sample that spans the swap so records where its tokens changed
-version, and each token's logprob is the one it was sampled with.
+version, and each token's logprob is the one it was sampled with. With
+`swap_kv="keep"` the running requests keep their KV instead (no recompute;
+their later tokens attend to KV earlier weights computed, as PipelineRL
+does) and prefix caching is off, so no request reuses another's KV.
 
 vLLM spawns processes: create an Engine only under `if __name__ == "__main__"`
 or in a process started by the CLI.
@@ -63,8 +66,11 @@ class Sample:
 class Engine:
     def __init__(self, model: str, *, dtype: str = "bfloat16", seed: int = 0, max_model_len: int = 1024,
                  memory_fraction: float = 0.3, enforce_eager: bool = True, version: int = 0,
-                 core: str = "auto"):
+                 core: str = "auto", swap_kv: str = "recompute"):
+        if swap_kv not in ("recompute", "keep"):
+            raise ValueError(f"swap_kv must be recompute or keep, not {swap_kv!r}")
         started = time.monotonic()
+        self.swap_kv = swap_kv
         self.inline = inline_core(core)
         if self.inline:
             # vLLM reads this when the engine is built: its engine core and worker then run in this process.
@@ -75,6 +81,8 @@ class Engine:
             self.llm = LLM(model=model, dtype=dtype, seed=seed, max_model_len=max_model_len,
                            gpu_memory_utilization=memory_fraction, enforce_eager=enforce_eager,
                            logprobs_mode="processed_logprobs",
+                           # keep: no request may reuse KV another computed (it could be any versions old)
+                           enable_prefix_caching=swap_kv == "recompute",
                            worker_extension_cls="rlbus.explorer.worker_ext.WeightSyncExtension")
         self.tokenizer = self.llm.get_tokenizer()
         self.model = model
@@ -84,6 +92,7 @@ class Engine:
         self.busy_s = 0.0  # time spent in engine steps that had requests to run
         self.paused_s = 0.0  # time generation stood still for weight loads
         self._lock = threading.Lock()
+        self._loading = threading.Event()  # a reload is waiting for the lock
         self.sequence_s = 0.0  # the integral over busy time of the sequences being generated
         self._requests: dict[str, int] = {}  # submitted, not yet returned by step: id -> samples
         self._finished: dict[str, list[Sample]] = {}  # finished while someone else was stepping
@@ -122,6 +131,8 @@ class Engine:
         done, self._finished = self._finished, {}
         running = sum(n for rid, n in self._requests.items() if rid not in done)
         if running:
+            while self._loading.is_set():  # a load waits for the lock: let it in (a Lock is not fair)
+                time.sleep(0.001)
             with self._lock:
                 started = time.monotonic()
                 outputs = self.llm.llm_engine.step()
@@ -160,17 +171,20 @@ class Engine:
     def reload(self, source: dict, version: int) -> dict:
         """Load the weights of a weight-sync source in place, in every worker (rlbus.weights.sync decides
         which source; the workers turn it into tensors). Returns what the load measured."""
-        started = time.monotonic()
         engine = self.llm.llm_engine
+        self._loading.set()
         with self._lock:
+            self._loading.clear()
+            started = time.monotonic()
             engine.sleep(level=0, mode="keep")  # the scheduler pauses; requests in flight stay where they are
             try:
                 info = self.llm.collective_rpc("rlbus_reload", args=(source,))[0]
                 engine.set_weight_version(str(version))
                 self.version = version
-                # No later token may come from KV that the old weights computed: empty the prefix cache and
-                # send the running requests back to be recomputed (prompt and tokens so far) under the new.
-                engine.reset_prefix_cache(reset_running_requests=True)
+                if self.swap_kv == "recompute":
+                    # No later token may come from KV that the old weights computed: empty the prefix cache and
+                    # send the running requests back to be recomputed (prompt and tokens so far) under the new.
+                    engine.reset_prefix_cache(reset_running_requests=True)
             finally:
                 engine.wake_up(tags=["scheduling"])
         self.paused_s += time.monotonic() - started

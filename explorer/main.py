@@ -409,7 +409,8 @@ class Activity:
         wall = now - self.started
         busy = self.engine.busy_s - self.busy0
         metrics.emit("explorer_activity", wall_s=round(wall, 3), busy_s=round(busy, 3),
-                     paused_s=round(self.engine.paused_s - self.paused0, 3), held_s=round(self.held_s, 3), idle_share=round(1 - busy / wall, 4) if wall else 0.0,
+                     paused_s=round(self.engine.paused_s - self.paused0, 3), held_s=round(self.held_s, 3),
+                     idle_share=round(1 - busy / wall, 4) if wall else 0.0,
                      sequences_mean=round((self.engine.sequence_s - self.sequence0) / wall, 2) if wall else 0.0,
                      in_flight=in_flight)
 
@@ -429,7 +430,7 @@ def run(cfg: RunConfig) -> None:
 
     engine = Engine(resolve_model(cfg.model.path, cfg.model.cache_dir), seed=cfg.rollout.seed,
                     memory_fraction=cfg.explorer.memory_fraction, dtype=cfg.rollout.dtype,
-                    core=cfg.explorer.engine_core)
+                    core=cfg.explorer.engine_core, swap_kv=cfg.explorer.swap_kv)
     with engine:
         engine.warm_up()
         explorer = Explorer(cfg, engine)

@@ -130,3 +130,30 @@ def test_streaming_explorer_swaps_weights_in_flight_and_puts_every_group_once(br
         assert all(0 <= start < len(body["response_ids"]) for start, _ in versions[1:])
     loads = [e for e in b.log_events() if e["event"] in ("swap_granted", "swap_released")]
     assert [e["event"] for e in loads] == ["swap_granted", "swap_released"]
+
+
+def test_keeping_kv_across_a_swap(tiny_model, v1):
+    """swap_kv keep: no recompute, so tokens after the swap attend to KV the old weights computed; tokens before it
+    are still the old weights', every token is labelled, and no request can reuse another's KV (no prefix cache)."""
+    from rlbus.explorer.engine import Engine
+
+    with pytest.raises(ValueError, match="recompute or keep"):
+        Engine(tiny_model, swap_kv="sometimes")
+    with Engine(tiny_model, dtype="float32", seed=0, max_model_len=512, memory_fraction=0.1, core="process",
+                swap_kv="keep") as engine:
+        assert engine.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching is False
+        prompt = long_prompt(engine)
+        engine.submit("kept", prompt, n=2, max_tokens=30)
+        for _ in range(8):
+            assert engine.step() == {}
+        engine.reload(checkpoint_source(str(v1)), 1)
+        done: dict = {}
+        while engine.in_flight:
+            done.update(engine.step())
+    for s in done["kept"]:
+        assert len(s.token_ids) == len(s.logprobs) == 30
+        (_, v_first), (swap, v_swap) = s.versions
+        assert (v_first, v_swap) == (0, 1) and 1 <= swap < 30
+        old = reference_logprobs(tiny_model, prompt, s.token_ids)
+        assert np.abs(np.asarray(s.logprobs[:swap]) - old[:swap]).max() < TOLERANCE
+        assert np.abs(np.asarray(s.logprobs[swap:]) - old[swap:]).max() > 100 * TOLERANCE  # new weights sampled
