@@ -30,7 +30,6 @@ says BYE, which releases any lease it still holds; if the broker has gone too
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import signal
 import threading
 import time
@@ -43,14 +42,15 @@ from rlbus.common import metrics, protocol as P
 from rlbus.common.client import BrokerClient, BrokerError, BrokerUnreachable, default_name
 from rlbus.common.config import RunConfig
 from rlbus.common.logging import bind
+from rlbus.explorer.activity import Activity
 from rlbus.explorer.envs import make_env
+from rlbus.explorer.inflight import Loader, Stopping
 from rlbus.explorer.rollout import Rollouts, roll_out
 from rlbus.reward.base import from_config
-from rlbus.weights.sync import RETRY_S, Receiver
+from rlbus.weights.sync import Receiver
 
 log = structlog.get_logger()
 
-ACTIVITY_EVERY_S = 5.0  # how often `explorer_activity` is logged
 
 
 class Explorer:
@@ -328,91 +328,6 @@ class Explorer:
                 self.client.request(P.SWAP, {"phase": "end", "version": version}, timeout=30)
             except (BrokerError, BrokerUnreachable, TimeoutError) as exc:  # the broker frees it when its time is up
                 log.warning("swap_slot_not_released", error=str(exc))
-
-
-class Stopping(Exception):
-    """The explorer is stopping: a load not begun yet is given up."""
-
-
-class Loader:
-    """Streaming with in-flight updates: a thread that loads each newly announced version into the running
-    engine (the receiver fetches it meanwhile; the engine pauses only for the swap, inside a swap slot)."""
-
-    def __init__(self, explorer: Explorer):
-        self.explorer = explorer
-        self._stop = threading.Event()
-        # In the explorer's logging context (its peer name): a new thread would start with an empty one.
-        context = contextvars.copy_context()
-        self._thread = threading.Thread(target=context.run, args=(self._run,), name="weights-loader", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        ex = self.explorer
-        engine = _Slotted(ex)
-        while not self._stop.is_set():
-            state = ex.client.weights or {}
-            if state.get("version", 0) > ex.engine.version:
-                try:
-                    ex._load_newest(engine)
-                except Stopping:
-                    return
-                except Exception:
-                    log.exception("weights_load_failed", version=state.get("version"))
-                    self._stop.wait(RETRY_S)
-                    continue
-            self._stop.wait(0.05)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
-class _Slotted:
-    """The engine as the loader's receiver sees it: every swap (but a broadcast's, which all members of the
-    epoch load together) happens inside a swap slot."""
-
-    def __init__(self, explorer: Explorer):
-        self.explorer = explorer
-
-    @property
-    def version(self) -> int:
-        return self.explorer.engine.version
-
-    def reload(self, source: dict, version: int) -> dict:
-        if source["method"] == "nccl":
-            return self.explorer.engine.reload(source, version)
-        with self.explorer.swap_slot(version):
-            return self.explorer.engine.reload(source, version)
-
-
-class Activity:
-    """The engine's busy share, logged every ACTIVITY_EVERY_S as `explorer_activity` (cumulative seconds, so a
-    reader takes any window's share from two lines): `busy_s` in engine steps, `paused_s` in weight loads,
-    `held_s` with nothing to do because the broker said WAIT (admission: too far ahead of the trainer, or
-    waiting for a version), `idle_share` = 1 - busy / wall, `sequences_mean` the sequences being generated,
-    on average over wall time."""
-
-    def __init__(self, engine):
-        self.engine = engine
-        self.started = time.monotonic()
-        # warm-up and earlier runs are not counted
-        self.busy0, self.paused0, self.sequence0 = engine.busy_s, engine.paused_s, engine.sequence_s
-        self.held_s = 0.0
-
-    def tick(self, in_flight: int) -> None:
-        if time.monotonic() - getattr(self, "_emitted", self.started) >= ACTIVITY_EVERY_S:
-            self.emit(in_flight)
-
-    def emit(self, in_flight: int) -> None:
-        now = time.monotonic()
-        self._emitted = now
-        wall = now - self.started
-        busy = self.engine.busy_s - self.busy0
-        metrics.emit("explorer_activity", wall_s=round(wall, 3), busy_s=round(busy, 3),
-                     paused_s=round(self.engine.paused_s - self.paused0, 3), held_s=round(self.held_s, 3),
-                     idle_share=round(1 - busy / wall, 4) if wall else 0.0,
-                     sequences_mean=round((self.engine.sequence_s - self.sequence0) / wall, 2) if wall else 0.0,
-                     in_flight=in_flight)
 
 
 def _unacknowledged(puts: list[Future]) -> list[Future]:

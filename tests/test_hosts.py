@@ -123,8 +123,10 @@ def test_hosts_that_share_no_files_get_every_version_over_the_network(hosts, tin
     for name in ("near", "far", "late"):
         loads = [e for e in events(logs / f"{name}.jsonl", "weights_loaded")]
         got = fetched(name)
-        # Every version this explorer loaded came by fetch, and each fetch was checked and loaded.
-        assert loads and sorted(e["policy_version"] for e in got) == sorted(e["policy_version"] for e in loads)
+        # Every version this explorer loaded came by fetch, and each fetch was checked and loaded (but the newest,
+        # when the explorer was killed between its fetch and its load).
+        loaded, came = {e["policy_version"] for e in loads}, {e["policy_version"] for e in got}
+        assert loads and loaded <= came and came - loaded <= {max(came)}, (loaded, came)
         assert all("/fetched/" in e["path"] for e in loads), loads
         assert all(e["base"] is None or e["bytes"] < e["version_bytes"] for e in got)
     late = fetched("late")

@@ -15,6 +15,7 @@ from rlbus.weights.sync import checkpoint_source, load_checkpoint
 from tests.explorer.test_explorer import explorer_config, fetch_all, publish
 
 TOLERANCE = 2e-3  # float32, as the explorer's other logprob checks
+LONG = 160  # tokens per request in flight across a swap
 
 
 @pytest.fixture(scope="module")
@@ -49,10 +50,12 @@ def long_prompt(engine) -> list[int]:
 
 def test_requests_in_flight_across_a_swap_finish_with_each_token_from_its_version(engine, tiny_model, v1, restore):
     prompt = long_prompt(engine)
-    engine.submit("group", prompt, n=3, max_tokens=30)
-    engine.submit("short-prompt", prompt[:40], n=1, max_tokens=30)
+    # Long requests: the engine core (a process of its own here) runs ahead of the steps read, so a swap right
+    # after the 8th must still find them unfinished.
+    engine.submit("group", prompt, n=3, max_tokens=LONG)
+    engine.submit("short-prompt", prompt[:40], n=1, max_tokens=LONG)
     for _ in range(8):
-        assert engine.step() == {}  # nothing finishes in 8 steps of 30-token requests
+        assert engine.step() == {}
     engine.reload(checkpoint_source(str(v1)), 1)
     assert engine.version == 1 and engine.in_flight == 2
     done: dict = {}
@@ -64,9 +67,10 @@ def test_requests_in_flight_across_a_swap_finish_with_each_token_from_its_versio
     refs = {0: tiny_model, 1: v1}
     for rid, p in (("group", prompt), ("short-prompt", prompt[:40])):
         for s in done[rid]:
-            assert len(s.token_ids) == len(s.logprobs) == 30  # nothing dropped or repeated across the pause
+            # nothing dropped or repeated across the pause: a sample ends at the limit or at its end-of-sequence
+            assert len(s.token_ids) == len(s.logprobs) and (len(s.token_ids) == LONG) == (s.finish_reason == "length")
             (first, v_first), (swap, v_swap) = s.versions
-            assert (first, v_first, v_swap) == (0, 0, 1) and 1 <= swap < 30
+            assert (first, v_first, v_swap) == (0, 0, 1) and 1 <= swap < len(s.token_ids)
             want = {v: reference_logprobs(d, p, s.token_ids) for v, d in refs.items()}
             got = np.asarray(s.logprobs)
             assert np.abs(got[:swap] - want[0][:swap]).max() < TOLERANCE
@@ -143,7 +147,7 @@ def test_keeping_kv_across_a_swap(tiny_model, v1):
                 swap_kv="keep") as engine:
         assert engine.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching is False
         prompt = long_prompt(engine)
-        engine.submit("kept", prompt, n=2, max_tokens=30)
+        engine.submit("kept", prompt, n=2, max_tokens=LONG)
         for _ in range(8):
             assert engine.step() == {}
         engine.reload(checkpoint_source(str(v1)), 1)
@@ -151,9 +155,9 @@ def test_keeping_kv_across_a_swap(tiny_model, v1):
         while engine.in_flight:
             done.update(engine.step())
     for s in done["kept"]:
-        assert len(s.token_ids) == len(s.logprobs) == 30
+        assert len(s.token_ids) == len(s.logprobs) and (len(s.token_ids) == LONG) == (s.finish_reason == "length")
         (_, v_first), (swap, v_swap) = s.versions
-        assert (v_first, v_swap) == (0, 1) and 1 <= swap < 30
+        assert (v_first, v_swap) == (0, 1) and 1 <= swap < len(s.token_ids)
         old = reference_logprobs(tiny_model, prompt, s.token_ids)
         assert np.abs(np.asarray(s.logprobs[:swap]) - old[:swap]).max() < TOLERANCE
         assert np.abs(np.asarray(s.logprobs[swap:]) - old[swap:]).max() > 100 * TOLERANCE  # new weights sampled

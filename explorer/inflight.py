@@ -1,0 +1,78 @@
+"""In-flight weight updates for a streaming explorer: the loader thread and the engine as it sees it.
+
+A `Loader` watches the weight bus and brings each newly announced version
+into the running engine through the explorer's receiver, which fetches it
+while generation goes on; the engine pauses only for the swap itself, and
+(unless the source is a broadcast, which all its members load together)
+only inside a swap slot the broker grants (`sync.max_swapping`).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import threading
+from typing import TYPE_CHECKING
+
+import structlog
+
+from rlbus.weights.sync import RETRY_S
+
+if TYPE_CHECKING:
+    from rlbus.explorer.main import Explorer
+
+log = structlog.get_logger()
+
+
+class Stopping(Exception):
+    """The explorer is stopping: a load not begun yet is given up."""
+
+
+class Loader:
+    """Streaming with in-flight updates: a thread that loads each newly announced version into the running
+    engine (the receiver fetches it meanwhile; the engine pauses only for the swap, inside a swap slot)."""
+
+    def __init__(self, explorer: Explorer):
+        self.explorer = explorer
+        self._stop = threading.Event()
+        # In the explorer's logging context (its peer name): a new thread would start with an empty one.
+        context = contextvars.copy_context()
+        self._thread = threading.Thread(target=context.run, args=(self._run,), name="weights-loader", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        ex = self.explorer
+        engine = _Slotted(ex)
+        while not self._stop.is_set():
+            state = ex.client.weights or {}
+            if state.get("version", 0) > ex.engine.version:
+                try:
+                    ex._load_newest(engine)
+                except Stopping:
+                    return
+                except Exception:
+                    log.exception("weights_load_failed", version=state.get("version"))
+                    self._stop.wait(RETRY_S)
+                    continue
+            self._stop.wait(0.05)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+class _Slotted:
+    """The engine as the loader's receiver sees it: every swap (but a broadcast's, which all members of the
+    epoch load together) happens inside a swap slot."""
+
+    def __init__(self, explorer: Explorer):
+        self.explorer = explorer
+
+    @property
+    def version(self) -> int:
+        return self.explorer.engine.version
+
+    def reload(self, source: dict, version: int) -> dict:
+        if source["method"] == "nccl":
+            return self.explorer.engine.reload(source, version)
+        with self.explorer.swap_slot(version):
+            return self.explorer.engine.reload(source, version)
