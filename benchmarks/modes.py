@@ -81,23 +81,29 @@ def measure(run_dir: Path, warmup: int) -> dict:
            "staleness_mean": round(sum(k * n for k, n in staleness) / samples, 3) if samples else None,
            "T": round(statistics.median(s["compute_s"] + s["publish_s"] for s in steady), 3)}
     t0, t1 = steady[0]["ts"] - steady[0]["step_s"], steady[-1]["ts"]
-    idle, unheld, occupancy, rollouts, made = [], [], [], [], 0
+    out.update(explorer_figures(run_dir, t0, t1))
+    rollouts = [b["rollout_s"] for log in sorted((run_dir / "logs").glob("explorer-*.jsonl"))
+                for b in events(run_dir, log.stem, "explorer_batch") if t0 <= b["ts"] - b["rollout_s"] < t1]
+    out["R"] = round(statistics.median(rollouts), 3) if rollouts else None
+    out["expired_share"] = expired_share(run_dir)
+    return out
+
+
+def explorer_figures(run_dir: Path, t0: float, t1: float) -> dict:
+    """The explorers' figures over [t0, t1]: idle shares (mean over explorers), sequences in flight, and
+    trajectories generated per hour."""
+    idle, unheld, occupancy, made = [], [], [], 0
     for log in sorted((run_dir / "logs").glob("explorer-*.jsonl")):
         shares = idle_share(events(run_dir, log.stem, "explorer_activity"), t0, t1)
         if shares is not None:
             idle.append(shares[0])
             unheld.append(shares[1])
             occupancy.append(shares[2])
-        batches = events(run_dir, log.stem, "explorer_batch")
-        rollouts += [b["rollout_s"] for b in batches if t0 <= b["ts"] - b["rollout_s"] < t1]
-        made += sum(b["samples"] for b in batches + events(run_dir, log.stem, "explorer_groups") if t0 <= b["ts"] < t1)
-    out["explorer_idle"] = round(statistics.mean(idle), 3) if idle else None
-    out["explorer_idle_unheld"] = round(statistics.mean(unheld), 3) if unheld else None
-    out["sequences_in_flight"] = round(statistics.mean(occupancy), 2) if occupancy else None
-    out["trajectories_per_hour"] = round(made / (t1 - t0) * 3600, 1)
-    out["R"] = round(statistics.median(rollouts), 3) if rollouts else None
-    out["expired_share"] = expired_share(run_dir)
-    return out
+        made += sum(b["samples"] for b in events(run_dir, log.stem, "explorer_batch")
+                    + events(run_dir, log.stem, "explorer_groups") if t0 <= b["ts"] < t1)
+    mean = lambda xs, digits=3: round(statistics.mean(xs), digits) if xs else None  # noqa: E731
+    return {"explorer_idle": mean(idle), "explorer_idle_unheld": mean(unheld),
+            "sequences_in_flight": mean(occupancy, 2), "trajectories_per_hour": round(made / (t1 - t0) * 3600, 1)}
 
 
 def idle_share(activity: list[dict], t0: float, t1: float) -> tuple[float, float, float] | None:

@@ -51,7 +51,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.harness import REPO, free_port  # noqa: E402
-from benchmarks.modes import events, idle_share, measure, run_mode  # noqa: E402
+from benchmarks.modes import explorer_figures, measure, run_mode  # noqa: E402
 
 WORKLOADS = {
     "even": (),
@@ -154,21 +154,10 @@ def measure_paced(run_dir: Path, steps_at: list[float], staleness: list[int], pe
     warmup = max(1, warmup)
     t0, t1 = steps_at[warmup - 1], steps_at[-1]
     n = len(steps_at) - warmup
-    idle, unheld, occupancy, made = [], [], [], 0
-    for log in sorted((run_dir / "logs").glob("explorer-*.jsonl")):
-        shares = idle_share(events(run_dir, log.stem, "explorer_activity"), t0, t1)
-        if shares is not None:
-            idle.append(shares[0])
-            unheld.append(shares[1])
-            occupancy.append(shares[2])
-        made += sum(b["samples"] for b in events(run_dir, log.stem, "explorer_batch")
-                    + events(run_dir, log.stem, "explorer_groups") if t0 <= b["ts"] < t1)
     steady = staleness[warmup * per_step:]
-    mean = lambda xs: round(sum(xs) / len(xs), 3) if xs else None  # noqa: E731
     return {"steps": n, "seconds": round(t1 - t0, 1), "steps_per_hour": round(n / (t1 - t0) * 3600, 1),
-            "trajectories_per_hour": round(made / (t1 - t0) * 3600, 1), "explorer_idle": mean(idle),
-            "explorer_idle_unheld": mean(unheld), "sequences_in_flight": mean(occupancy),
-            "staleness_mean": mean(steady)}
+            **explorer_figures(run_dir, t0, t1),
+            "staleness_mean": round(sum(steady) / len(steady), 3) if steady else None}
 
 
 def main() -> None:
