@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import structlog
 import zmq
 
+from rlbus.broker.metrics import BufferStats
 from rlbus.broker.peers import Peer, Peers
 from rlbus.broker.store import Group, Store
 from rlbus.broker.tasks import TaskQueue
@@ -58,6 +59,7 @@ class Buffer:
         self.trainer_step = int(store.get_meta("trainer_step", 0))
         self.held: list[HeldFetch] = []
         self.blocked: list[tuple[bytes, P.Message]] = []
+        self.stats = BufferStats()  # PUT-to-ACK latency and delivered staleness, for /metrics
 
     def next_deadline(self) -> float | None:
         """When the first held FETCH runs out, if one is held."""
@@ -67,6 +69,7 @@ class Buffer:
         return max(0, self.cfg.buffer.capacity - self.store.depth)
 
     def store_puts(self, puts: list[tuple[bytes, P.Message]]) -> None:
+        received = time.monotonic()
         limit = self.cfg.broker.max_payload_bytes
         batches: list[list[tuple[dict, bytes]]] = []
         accepted: list[tuple[bytes, P.Message, list[str]]] = []
@@ -115,13 +118,15 @@ class Buffer:
             return
         job = self.store.prepare(batches)
         if job is None:  # every id is durable already
-            return self._ack(accepted, [set()] * len(accepted))
-        job.acks = accepted
+            return self._ack(accepted, [set()] * len(accepted), received)
+        job.acks, job.received = accepted, received
         self.writer.submit(job)
 
-    def _ack(self, accepted: list[tuple[bytes, P.Message, list[str]]], stored_by: list[set[str]]) -> None:
+    def _ack(self, accepted: list[tuple[bytes, P.Message, list[str]]], stored_by: list[set[str]],
+             received: float) -> None:
         """ACK each PUT: `stored` lists the ids that PUT itself stored, every other id is a `duplicate`
         (stored before, or by another PUT of the same group commit)."""
+        self.stats.put_ack.observe(time.monotonic() - received, len(accepted))
         credit = self.credit()
         for (identity, msg, ids), stored in zip(accepted, stored_by, strict=True):
             unique = list(dict.fromkeys(ids))
@@ -143,7 +148,7 @@ class Buffer:
             for group in completed:
                 self.tasks.complete(group.group_id)
             any_completed |= bool(completed)
-            self._ack(job.acks, job.stored_by)
+            self._ack(job.acks, job.stored_by, job.received)
         if self.blocked:
             blocked, self.blocked = self.blocked, []
             self.store_puts(blocked)
@@ -184,7 +189,8 @@ class Buffer:
         again = self.store.delivered(step)
         if again is not None:
             log.info("batch_redelivered", step=step, groups=len(again))
-            self._send_batch(identity, msg, step, again, 0, 0)
+            # the same batch in every respect: a trainer that scales its loss by skipped samples trains the same
+            self._send_batch(identity, msg, step, again, *self.store.retired_with.get(step, (0, 0)))
             return None
         if batch_index is not None and not self.tasks.batch_resolved(batch_index):
             return 0, 0
@@ -196,7 +202,7 @@ class Buffer:
         enough = len(groups) >= h.get("min_groups", 1) or (batch_index is not None)
         if not enough:
             return expired, skipped
-        self.store.deliver(step, groups, {"trainer_step": self.trainer_step})
+        self.store.deliver(step, groups, {"trainer_step": self.trainer_step}, expired, skipped)
         log.info("batch_delivered", step=step, groups=len(groups), depth=self.store.depth)
         self._send_batch(identity, msg, step, groups, expired, skipped)
         return None
@@ -205,6 +211,7 @@ class Buffer:
                     expired: int, skipped: int) -> None:
         out = [{"group_id": g.group_id, "batch_index": g.batch_index, "trajectories": [t.meta for t in g.trajs]}
                for g in groups]
+        self.stats.delivered(step, groups)
         frames = self.store.payload_frames([t for g in groups for t in g.trajs])
         self.out.reply(identity, msg, P.BATCH, {"step": step, "groups": out, "expired": expired, "skipped": skipped},
                     frames)

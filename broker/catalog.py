@@ -1,8 +1,9 @@
 """The broker's SQLite catalogue: the only module that speaks SQL.
 
 It records where each group commit's trajectories lie in the segment log
-(`chunks`), the delivered batches, the retired groups, the task leases and
-the broker's own state (`meta`). WAL mode: only the writer thread's
+(`chunks`), the delivered batches (and, for `rlbus replay`, exactly what
+each delivered: `deliveries`), the retired groups, the task leases and the
+broker's own state (`meta`). WAL mode: only the writer thread's
 connection syncs on commit (when fsync is on), and trajectories are ACKed
 after that commit. The loop's own small writes (leases, batches, commits)
 survive a process crash at once and a power loss with the next group commit,
@@ -28,6 +29,9 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value BLOB);
 CREATE TABLE IF NOT EXISTS chunks (
     rowid INTEGER PRIMARY KEY, segment INTEGER NOT NULL, offset INTEGER NOT NULL, entries BLOB NOT NULL);
 CREATE TABLE IF NOT EXISTS batches (step INTEGER PRIMARY KEY, groups BLOB NOT NULL, committed INTEGER NOT NULL);
+-- What the BATCH of each step held, in the order sent: the trajectory ids of each group, and the
+-- expired and skipped counts. Kept after commit: it is the run's record for `rlbus replay`.
+CREATE TABLE IF NOT EXISTS deliveries (step INTEGER PRIMARY KEY, record BLOB NOT NULL);
 CREATE TABLE IF NOT EXISTS retired (rowid INTEGER PRIMARY KEY, state INTEGER NOT NULL, groups BLOB NOT NULL);
 CREATE TABLE IF NOT EXISTS tasks (
     seq INTEGER PRIMARY KEY, lease_id TEXT, holder TEXT, expires REAL, attempt INTEGER NOT NULL,
@@ -36,11 +40,18 @@ CREATE TABLE IF NOT EXISTS tasks (
 
 
 class Catalog:
-    def __init__(self, path: str | Path, fsync: bool):
+    def __init__(self, path: str | Path, fsync: bool, readonly: bool = False):
+        """`readonly`: a reader beside the broker (or after it): changes nothing, not even the schema."""
         self.path = Path(path)
         self.fsync = fsync
-        self.db = self._connect()
-        self.db.executescript(_SCHEMA)
+        if readonly:
+            if not self.path.exists():
+                raise FileNotFoundError(f"no broker catalogue at {self.path}")
+            self.db = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, isolation_level=None,
+                                      check_same_thread=False, timeout=30)
+        else:
+            self.db = self._connect()
+            self.db.executescript(_SCHEMA)
         self._wdb: sqlite3.Connection | None = None
 
     def _connect(self, full_sync: bool = False) -> sqlite3.Connection:
@@ -99,12 +110,24 @@ class Catalog:
         with self.transaction():
             self.db.execute("INSERT INTO retired(state, groups) VALUES (?, ?)", (state, pack(group_ids)))
 
-    def deliver(self, step: int, group_ids: list[str], meta: dict[str, Any]) -> None:
+    def deliver(self, step: int, group_ids: list[str], record: dict[str, Any], meta: dict[str, Any]) -> None:
         with self.transaction():
             for key, value in meta.items():
                 self.set_meta(key, value)
             self.db.execute("INSERT OR REPLACE INTO batches(step, groups, committed) VALUES (?, ?, 0)",
                             (step, pack(group_ids)))
+            self.db.execute("INSERT OR REPLACE INTO deliveries(step, record) VALUES (?, ?)", (step, pack(record)))
+
+    def deliveries(self) -> Iterator[tuple[int, dict[str, Any], bool]]:
+        """(step, record, committed) for every delivered batch, by step; the record as `deliver` got it.
+        Batches a broker older than this table delivered have none."""
+        try:
+            rows = self.db.execute("SELECT d.step, d.record, b.committed FROM deliveries d "
+                                   "JOIN batches b ON b.step = d.step ORDER BY d.step").fetchall()
+        except sqlite3.OperationalError:  # a catalogue written before deliveries were recorded
+            return
+        for step, record, committed in rows:
+            yield step, unpack(record), bool(committed)
 
     def was_delivered(self, step: int) -> bool:
         return self.db.execute("SELECT 1 FROM batches WHERE step=?", (step,)).fetchone() is not None

@@ -28,6 +28,7 @@ from rlbus.broker.bus import WeightBus
 from rlbus.broker.peers import Peer, Peers
 from rlbus.broker.rewards import RewardRouter
 from rlbus.broker.buffer import Buffer
+from rlbus.broker.metrics import serve_metrics
 from rlbus.broker.store import Store
 from rlbus.broker.swaps import SwapSlots
 from rlbus.broker.tasks import TaskQueue, refusal
@@ -392,6 +393,7 @@ def run(cfg: RunConfig) -> None:
 
     Path(cfg.buffer_dir()).mkdir(parents=True, exist_ok=True)
     broker = Broker(cfg)
+    serve_metrics(broker)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda *_: broker.stop())
     broker.serve()

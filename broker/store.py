@@ -57,6 +57,7 @@ class WriteJob:
     number: int = 0
     acks: list[Any] = field(default_factory=list)  # the loop's bookkeeping: who to ACK when durable
     stored_by: list[set[str]] = field(default_factory=list)  # per PUT message planned: the ids it stores
+    received: float = 0.0  # when its PUTs were taken off the socket (monotonic), for the PUT-to-ACK latency
 
 
 @dataclass(slots=True)
@@ -95,6 +96,7 @@ class Store:
         self.groups: dict[str, Group] = {}
         self.ready: dict[str, Group] = {}
         self.batches: dict[int, list[str]] = {}  # uncommitted delivered batches: step -> group ids
+        self.retired_with: dict[int, tuple[int, int]] = {}  # their (expired, skipped) trajectories, sent again
         self.committed_step = -1
         self.counts = {"stored": 0, "committed": 0, "expired": 0, "skipped": 0}
         self._recover()
@@ -112,6 +114,9 @@ class Store:
                 self._set_state(self.groups[gid], COMMITTED if committed else DELIVERED, step)
             if not committed:
                 self.batches[step] = group_ids
+        for step, record, committed in self.catalog.deliveries():
+            if not committed:
+                self.retired_with[step] = (record["expired"], record["skipped"])
         for state, group_ids in self.catalog.retired():
             for gid in group_ids:
                 self._set_state(self.groups[gid], state)
@@ -311,13 +316,18 @@ class Store:
         for group in groups:
             self._set_state(group, state)
 
-    def deliver(self, step: int, groups: list[Group], meta: dict[str, Any] | None = None) -> None:
-        """Record `groups` as the batch of `step` (and `meta` beside it), so a restart re-delivers it."""
+    def deliver(self, step: int, groups: list[Group], meta: dict[str, Any] | None = None, expired: int = 0,
+                skipped: int = 0) -> None:
+        """Record `groups` as the batch of `step` (and `meta` beside it), so a restart re-delivers it, and
+        what it holds in the order sent (with the trajectories retired while it was made), so a replay can
+        train on exactly that."""
         ids = [g.group_id for g in groups]
-        self.catalog.deliver(step, ids, meta or {})
+        record = {"trajectories": [[t.id for t in g.trajs] for g in groups], "expired": expired, "skipped": skipped}
+        self.catalog.deliver(step, ids, record, meta or {})
         for group in groups:
             self._set_state(group, DELIVERED, step)
         self.batches[step] = ids
+        self.retired_with[step] = (expired, skipped)
 
     def was_delivered(self, step: int) -> bool:
         """Whether a batch was ever delivered for `step` (committed since or not)."""
@@ -335,6 +345,7 @@ class Store:
         self.committed_step = max(self.committed_step, step)
         n = 0
         for s in steps:
+            self.retired_with.pop(s, None)
             for gid in self.batches.pop(s):
                 group = self.groups[gid]
                 self._set_state(group, COMMITTED)

@@ -22,7 +22,7 @@ from pydantic import ValidationError
 # The sections live in sections.py and are part of this module's API.
 from rlbus.common.sections import (  # noqa: F401
     AlgorithmConfig, BrokerConfig, BufferConfig, DataConfig, ExplorerConfig, LaunchConfig, LoggingConfig,
-    ModelConfig, RewardConfig, RewardTerm, RolloutConfig, Section, SyncConfig, TrainerConfig)
+    MetricsConfig, ModelConfig, RewardConfig, RewardTerm, RolloutConfig, Section, SyncConfig, TrainerConfig)
 
 
 class ConfigError(Exception):
@@ -49,6 +49,7 @@ class RunConfig(Section):
     trainer: TrainerConfig = TrainerConfig()
     reward: RewardConfig = RewardConfig()
     logging: LoggingConfig = LoggingConfig()
+    metrics: MetricsConfig = MetricsConfig()
     launch: LaunchConfig = LaunchConfig()
 
     def buffer_dir(self) -> Path:

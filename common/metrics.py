@@ -1,11 +1,12 @@
 """The one sink for per-step metrics.
 
 Every canonical metrics line goes through `emit`: the trainer's
-`train_step`, the explorer's `explorer_batch` and `eval`. Today the record
-is the structured log line (JSON lines that `rlbus logs`, the launcher's run
-summary and the benchmarks read back through `rlbus.logview`); further sinks
-(Prometheus, TensorBoard) register with `add_sink` and receive the same
-event name and values. A sink that fails is reported once per event name and
+`train_step`, the explorer's `explorer_batch`, `explorer_groups`,
+`weights_loaded`, `put_acked` and `eval`. The first record is the structured
+log line (JSON lines that `rlbus logs`, the launcher's run summary and the
+benchmarks read back through `rlbus.logview`); further sinks (Prometheus,
+TensorBoard, W&B: `rlbus.common.telemetry`) register with `add_sink` and
+receive the same event name and values. A sink that fails is reported once per event name and
 never stops the process.
 """
 

@@ -292,6 +292,10 @@ class TrainerConfig(Section):
     """Torch device (cpu, cuda, cuda:1, ...)."""
     threads: int = Field(0, ge=0)
     """CPU threads for torch (0: torch's default)."""
+    deterministic: bool = True
+    """Deterministic algorithms (torch.use_deterministic_algorithms; on GPUs also CUBLAS_WORKSPACE_CONFIG), so
+    that `rlbus replay` trains the same batches to the same weights bit for bit, given the same device kind,
+    torch version and thread count (recorded in RUN_DIR/trainer.json). Costs some speed on GPUs."""
     gradient_checkpointing: bool = False
     """Trade compute for memory."""
     autocast: Literal["off", "bfloat16", "float16"] = "off"
@@ -357,6 +361,18 @@ class LoggingConfig(Section):
     """auto: readable on a terminal, JSON lines otherwise."""
     file: str = ""
     """Also append JSON lines to this file (empty: no file sink)."""
+
+
+class MetricsConfig(Section):
+    prometheus_port: int = Field(0, ge=0, le=65535)
+    """Serve Prometheus `/metrics` on this port (0: off). `rlbus up` gives the broker this port, the trainer the
+    next one and explorer i port + 2 + i."""
+    prometheus_host: str = "127.0.0.1"
+    """Address the `/metrics` server binds (0.0.0.0 for a Prometheus on another host)."""
+    tensorboard: bool = True
+    """TensorBoard scalars of the trainer's steps and the explorers' evaluations, in RUN_DIR/tensorboard/."""
+    wandb_project: str = ""
+    """Also log the same scalars to this Weights & Biases project (needs `pip install wandb`; empty: off)."""
 
 
 class LaunchConfig(Section):

@@ -36,6 +36,7 @@ from typing import Sequence
 
 import structlog
 
+from rlbus.common import metrics
 from rlbus.explorer.lifeline import owning_engines
 
 log = structlog.get_logger()
@@ -193,7 +194,7 @@ class Engine:
                           "in_flight": len(self._requests)}
         where = ({"epoch": source["announcement"]["epoch"]} if source["method"] == "nccl"
                  else {"path": source.get("path")})
-        log.info("weights_loaded", policy_version=version, method=source["method"], seconds=seconds, **where,
+        metrics.emit("weights_loaded", policy_version=version, method=source["method"], seconds=seconds, **where,
                  in_flight=len(self._requests),
                  **{k: round(v, 3) if isinstance(v, float) else v for k, v in info.items()})
         return info

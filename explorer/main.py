@@ -30,6 +30,7 @@ says BYE, which releases any lease it still holds; if the broker has gone too
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import signal
 import threading
 import time
@@ -38,7 +39,7 @@ from typing import Any, Iterator
 
 import structlog
 
-from rlbus.common import metrics, protocol as P
+from rlbus.common import metrics, protocol as P, telemetry
 from rlbus.common.client import BrokerClient, BrokerError, BrokerUnreachable, default_name
 from rlbus.common.config import RunConfig
 from rlbus.common.logging import bind
@@ -239,7 +240,15 @@ class Explorer:
         self._activity.held_s += time.monotonic() - started
 
     def _put(self, groups: list[list[tuple[dict, bytes]]]) -> Future:
-        return self.client.put_async([t for g in groups for t in g])
+        items = [t for g in groups for t in g]
+        future = self.client.put_async(items)
+        started, context = time.monotonic(), contextvars.copy_context()  # the ACK arrives on the client's thread
+
+        def acked(f: Future) -> None:
+            if f.exception() is None:
+                metrics.emit("put_acked", trajectories=len(items), seconds=round(time.monotonic() - started, 4))
+        future.add_done_callback(lambda f: context.run(acked, f))
+        return future
 
     def _stream(self, max_leases: int | None) -> list[Future]:
         """Streaming: keep `inflight_tasks` tasks in the engine, PUT each group as it completes."""
@@ -349,6 +358,7 @@ def run(cfg: RunConfig) -> None:
     with engine:
         engine.warm_up()
         explorer = Explorer(cfg, engine)
+        telemetry.start(cfg, "explorer", explorer.name)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, lambda *_: explorer.stop())
         explorer.run()

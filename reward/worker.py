@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import queue
 import signal
+import time
 from typing import Any, Callable
 
 import structlog
 
-from rlbus.common import protocol as P
+from rlbus.common import protocol as P, telemetry
 from rlbus.common.client import BrokerClient, default_name
 from rlbus.common.config import RunConfig
 from rlbus.common.logging import bind
@@ -45,7 +46,7 @@ class RewardWorker:
                     _plain(evaluate(fn, it["task"], Response(it.get("text", ""), it.get("token_ids", ())),
                                     cfg.reward.failure_score, s)) for it in items]
         self._stop = False
-        self.served = 0
+        self.served, self.jobs, self.scoring_s = 0, 0, 0.0  # responses scored, EVAL jobs, seconds scoring
 
     def _rm_handler(self) -> Callable[[list[dict]], list[dict]]:
         from rlbus.reward.rm import RewardModel
@@ -62,6 +63,14 @@ class RewardWorker:
 
     def stop(self) -> None:
         self._stop = True
+
+    def collect(self):
+        """The worker's counts for Prometheus (`metrics.prometheus_port`)."""
+        from prometheus_client.core import CounterMetricFamily
+
+        yield CounterMetricFamily("rlbus_reward_scored", "Responses scored", value=self.served)
+        yield CounterMetricFamily("rlbus_reward_jobs", "EVAL jobs answered", value=self.jobs)
+        yield CounterMetricFamily("rlbus_reward_scoring_seconds", "Seconds spent scoring", value=self.scoring_s)
 
     def run(self) -> None:
         b = self.cfg.broker
@@ -85,9 +94,12 @@ class RewardWorker:
                     results = [{"score": self.cfg.reward.failure_score, "details": {},
                                 "reason": f"this worker does not offer {msg.header.get('service')!r}"}] * len(items)
                 else:
+                    started = time.monotonic()
                     results = handler(items)
+                    self.scoring_s += time.monotonic() - started
                 client.send(P.RESULT, {"job": msg.header["job"], "results": results})
                 self.served += len(items)
+                self.jobs += 1
         finally:
             client.close(bye=True)
         log.info("reward_worker_stopped", served=self.served)
@@ -112,6 +124,9 @@ class RemoteReward:
 def run(cfg: RunConfig, services: list[str], name: str | None = None) -> None:
     """Entry point of `rlbus reward`."""
     worker = RewardWorker(cfg, services, name)
+    prometheus = telemetry.start(cfg, "reward", worker.name).prometheus
+    if prometheus is not None:
+        prometheus.add(worker)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda *_: worker.stop())
     worker.run()

@@ -36,6 +36,15 @@ def _load(config: Optional[Path], sets: Optional[list[str]]):
         raise typer.Exit(2) from None
 
 
+def _on_run(tool, run_dir: Path, *args):
+    """A tool that reads a run directory: what it returns, or its error said plainly (exit 2)."""
+    try:
+        return tool(run_dir, *args)
+    except (ValueError, FileNotFoundError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+
+
 def _logging(cfg, component: str, **context):
     from rlbus.common.logging import setup_logging
 
@@ -181,12 +190,62 @@ def timeline(run_dir: Annotated[Path, typer.Argument(help="A run directory.")],
     """Draw a run: one lane per explorer and the trainer, the buffer's depth, rollout/train/sync spans."""
     from rlbus.timeline import render
 
+    typer.echo(f"{output}: {len(_on_run(render, run_dir, output))} spans")
+
+
+@app.command()
+def report(run_dir: Annotated[Path, typer.Argument(help="A run directory.")],
+           output: Annotated[Path, typer.Option("-o", "--output", help="HTML page to write.")] = Path("report.html")
+           ) -> None:
+    """Write one self-contained HTML page of a run: reward and accuracy over steps and time, staleness,
+    throughput and idle shares per component, the timeline, the config."""
+    from rlbus.report import write
+
+    _on_run(write, run_dir, output)
+    typer.echo(f"{output}: open it in a browser")
+
+
+@app.command()
+def trace(run_dir: Annotated[Path, typer.Argument(help="A run directory.")],
+          output: Annotated[Path, typer.Option("-o", "--output", help="Trace JSON to write.")] = Path("trace.json")
+          ) -> None:
+    """Write the run as a Chrome trace (open it in ui.perfetto.dev): rollouts, PUTs and weight loads per explorer,
+    trainer steps (waiting, compute, publishing), broker deliveries and commits, buffer depth."""
+    from rlbus.trace import write
+
+    typer.echo(f"{output}: {_on_run(write, run_dir, output)} trace events")
+
+
+@app.command()
+def replay(run_dir: Annotated[Path, typer.Argument(help="A finished (or stopped) run directory.")],
+           buffer: Annotated[Optional[Path], typer.Option(help="The broker's data directory, if not the run's "
+                                                                "(buffer.dir, or RUN_DIR/buffer).")] = None,
+           out: Annotated[Optional[Path], typer.Option(help="Where the replay writes (default RUN_DIR/replay).")] = None,
+           steps: Annotated[Optional[int], typer.Option(min=1, help="Replay only the first N steps.")] = None,
+           ) -> None:
+    """Train again on exactly the batches the broker delivered, in order, and compare the weights with the
+    run's, byte for byte (exit 0 if every version and checkpoint the run kept is equal, 1 if not)."""
+    from rlbus.common.logging import setup_logging
+    from rlbus.replay import ReplayError, replay as run_replay
+
+    setup_logging("replay", "warning", "console", None)
+
+    def progress(done: int, total: int) -> None:
+        typer.echo(f"\rstep {done}/{total}", err=True, nl=done == total)
+
     try:
-        spans = render(run_dir, output)
-    except (ValueError, FileNotFoundError) as exc:
+        result = run_replay(run_dir, buffer, out, steps, progress if sys.stderr.isatty() else None)
+    except (ReplayError, FileNotFoundError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
-    typer.echo(f"{output}: {len(spans)} spans")
+    for c in result.comparisons:
+        typer.echo(f"{c.what}: {'equal' if c.equal else 'DIFFERENT'}{' (' + c.detail + ')' if c.detail else ''}")
+    if not result.comparisons:
+        typer.echo(f"replayed {result.steps} steps; the run kept no weights or checkpoints of them to compare")
+        raise typer.Exit(1)
+    typer.echo(f"replayed {result.steps} steps into {result.out}: "
+               f"{'bitwise equal' if result.equal else 'NOT equal'} to the run")
+    raise typer.Exit(0 if result.equal else 1)
 
 
 @app.command()
@@ -221,9 +280,16 @@ def model_prepare(name: Annotated[str, typer.Argument(help="Bundled model name."
     from rlbus.common.logging import setup_logging
 
     setup_logging("model", "info", "auto")
+    from rlbus.progress import Phases, wanted
     from rlbus.weights.models import prepare_bundled
 
-    typer.echo(prepare_bundled(name, cache_dir))
+    view = Phases(f"model {name}") if wanted("auto") else None
+    try:
+        path = prepare_bundled(name, cache_dir, **({"phase": view} if view else {}))
+    finally:
+        if view is not None:
+            view.close()
+    typer.echo(path)
 
 
 @model_app.command("tiny")

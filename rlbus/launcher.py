@@ -18,6 +18,7 @@ group still there after a grace period.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -31,6 +32,7 @@ import structlog
 
 from rlbus.common.config import RunConfig, dump_config, parse_cpus
 from rlbus.logview import events, last_event
+from rlbus.progress import RunView, wanted
 
 log = structlog.get_logger()
 
@@ -63,14 +65,18 @@ class Launcher:
         self.logs.mkdir(parents=True, exist_ok=True)
         self.snapshot = self.run_dir / "config.yaml"
         self.snapshot.write_text(dump_config(cfg))
-        launch = cfg.launch
-        self.children = [Child("broker", "broker", parse_cpus(launch.broker_cpus)),
-                         Child("trainer", "trainer", parse_cpus(launch.trainer_cpus))]
+        launch, port = cfg.launch, cfg.metrics.prometheus_port
+
+        def metrics_port(offset: int) -> list[str]:  # each child its own /metrics port: broker, trainer, explorers
+            return ["--set", f"metrics.prometheus_port={port + offset}"] if port else []
+
+        self.children = [Child("broker", "broker", parse_cpus(launch.broker_cpus), metrics_port(0)),
+                         Child("trainer", "trainer", parse_cpus(launch.trainer_cpus), metrics_port(1))]
         for i in range(launch.explorers):
             cpus = parse_cpus(launch.explorer_cpus[i]) if i < len(launch.explorer_cpus) else set()
             # One explorer evaluates on the held-out set: the others only explore.
             extra = ["--name", f"explorer-{i}"] + (["--set", "explorer.eval_every=0"] if i else [])
-            self.children.append(Child(f"explorer-{i}", "explorer", cpus, extra))
+            self.children.append(Child(f"explorer-{i}", "explorer", cpus, extra + metrics_port(2 + i)))
         self._stopping = False
         self.exit_code = 0
 
@@ -157,8 +163,10 @@ class Launcher:
             versions[child.name] = batch.get("policy_version")
         broker = last_event(self.logs / "broker.jsonl", field="depth") or {}  # the newest broker event that carries a depth
         alive = sum(1 for c in self.children[2:] if c.proc is not None and c.proc.poll() is None)
+        evaluated = last_event(self.logs / "explorer-0.jsonl", "eval") or {}
         return {"step": step.get("step"), "reward_mean": step.get("reward_mean"), "explorer_versions": versions,
-                "buffer_depth": broker.get("depth"), "explorers_running": alive}
+                "buffer_depth": broker.get("depth"), "explorers_running": alive,
+                "accuracy": evaluated.get("accuracy"), "accuracy_version": evaluated.get("policy_version")}
 
     # ---- the run ----------------------------------------------------------
 
@@ -172,13 +180,20 @@ class Launcher:
             for child in self.children[1:]:
                 self._start(child)
             last_status = 0.0
-            while not self._stopping:
-                time.sleep(0.2)
-                if self._check_children():
-                    break
-                if time.monotonic() - last_status >= self.cfg.launch.status_interval_s:
-                    last_status = time.monotonic()
-                    log.info("run_progress", **self.progress())
+            # On a terminal a live view, elsewhere a progress line every status_interval_s.
+            view = RunView(self.cfg.trainer.total_steps) if wanted(self.cfg.logging.format) else None
+            interval = 1.0 if view else self.cfg.launch.status_interval_s
+            with view or contextlib.nullcontext():
+                while not self._stopping:
+                    time.sleep(0.2)
+                    if self._check_children():
+                        break
+                    if time.monotonic() - last_status >= interval:
+                        last_status = time.monotonic()
+                        if view:
+                            view.update(self.progress())
+                        else:
+                            log.info("run_progress", **self.progress())
         finally:
             self._shutdown()
             self.summary()

@@ -16,6 +16,7 @@ import zmq
 
 from rlbus.common import protocol as P
 from rlbus.common.client import BrokerClient
+from rlbus.logview import events
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -81,7 +82,7 @@ class BrokerProcess:
 
     def log_events(self) -> list[dict]:
         path = self.data_dir / "broker.jsonl"
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+        return events(path)
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from rlbus.logview import events as log_events
 from tests.conftest import REPO, free_port
 
 
@@ -39,8 +40,7 @@ def test_up_runs_broker_trainer_and_explorer_to_the_end(tiny_model, tmp_path):
     assert (run_dir / "config.yaml").exists()
     for name in ("broker", "trainer", "explorer-0"):
         assert (run_dir / "logs" / f"{name}.jsonl").stat().st_size > 0
-    steps = [json.loads(line) for line in (run_dir / "logs" / "trainer.jsonl").read_text().splitlines()
-             if '"train_step"' in line]
+    steps = log_events(run_dir / "logs" / "trainer.jsonl", "train_step")
     assert [s["step"] for s in steps] == [0, 1, 2]
     assert all(max(map(int, s["staleness"])) <= 1 for s in steps if s["staleness"]), "O + I - 1 = 1"
     assert (run_dir / "weights" / "v3" / "model.safetensors").exists()
@@ -51,8 +51,7 @@ def test_up_runs_broker_trainer_and_explorer_to_the_end(tiny_model, tmp_path):
 
     spans = render(run_dir, tmp_path / "timeline.png")
     assert (tmp_path / "timeline.png").stat().st_size > 10_000
-    batches = [json.loads(x) for x in (run_dir / "logs" / "explorer-0.jsonl").read_text().splitlines()
-               if '"explorer_batch"' in x]
+    batches = log_events(run_dir / "logs" / "explorer-0.jsonl", "explorer_batch")
     assert len([s for s in spans if s.kind == "rollout"]) == len(batches)
     assert len([s for s in spans if s.lane == "trainer" and s.kind == "train"]) == len(steps)
     origin = min(s.start for s in spans)
@@ -184,8 +183,8 @@ def test_closing_the_terminal_stops_the_run_and_leaves_no_process(tiny_model, tm
         assert up.wait(120) == 0
         left = _still(pids, _group_exists, 30)
         assert not left, f"process groups {left} outlived the run"
-        events = [json.loads(x) for x in (run_dir / "logs" / "trainer.jsonl").read_text().splitlines()]
-        assert events[-1]["event"] == "trainer_stopped", "the trainer stopped cleanly"
+        last = log_events(run_dir / "logs" / "trainer.jsonl")[-1]
+        assert last["event"] == "trainer_stopped", "the trainer stopped cleanly"
         assert (run_dir / "summary.json").exists(), "the launcher finished its stop though it could not write"
     finally:
         if master >= 0:

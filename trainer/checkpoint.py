@@ -1,4 +1,5 @@
-"""Training checkpoints for resume: model, optimizer, scheduler, RNG states, step and version.
+"""Training checkpoints for resume: model, optimizer, scheduler, RNG states, step and version; and the
+record `rlbus replay` reads (`trainer.json`).
 
 Saved as `checkpoints/step_XXXXXXXX/` through a temporary directory and an
 atomic rename; the newest complete one is what a restarted trainer resumes
@@ -9,7 +10,9 @@ trained yet.
 
 from __future__ import annotations
 
+import json
 import os
+import platform
 import random
 import shutil
 from pathlib import Path
@@ -76,3 +79,20 @@ def load(path: str | Path, model, optimizer, scheduler) -> tuple[int, int]:
     scheduler.load_state_dict(state["scheduler"])
     set_rng_state(state["rng"])
     return state["step"], state["version"]
+
+
+RECORD = "trainer.json"  # in the run directory
+
+
+def write_record(cfg, model_path: str, step: int) -> None:
+    """`RUN_DIR/trainer.json`, written when the trainer starts: what `rlbus replay` needs besides the broker's
+    record of the batches (the resolved model, the effective config, torch's version and thread count)."""
+    t = cfg.trainer
+    record = {"model_path": str(Path(model_path).resolve()), "config": cfg.model_dump(mode="json"),
+              "torch": torch.__version__, "threads": torch.get_num_threads(), "device": t.device,
+              "deterministic": t.deterministic, "machine": platform.machine(), "started_step": step}
+    path = Path(cfg.run.dir) / RECORD
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, indent=2))
+    os.replace(tmp, path)

@@ -17,12 +17,16 @@ Step t (0-based) trains the policy of version t and produces version t + 1:
    re-delivers the batches it had not committed.
 
 One `train_step` log line per step carries the canonical metrics.
+
+For `rlbus replay` the trainer records itself in `RUN_DIR/trainer.json` and,
+with `trainer.deterministic`, trains the same batches to the same weights.
 """
 
 from __future__ import annotations
 
 import contextvars
 import math
+import os
 import signal
 import time
 from collections import Counter
@@ -36,7 +40,7 @@ import torch
 from rlbus.common import protocol as P
 from rlbus.common.client import BrokerClient, BrokerError, BrokerUnreachable
 from rlbus.common.config import RunConfig
-from rlbus.common import metrics as metrics_sink
+from rlbus.common import metrics as metrics_sink, telemetry
 from rlbus.common.logging import bind, significant
 from rlbus.trainer import checkpoint
 from rlbus.trainer.algorithms import LossConfig, lr_factor, policy_loss
@@ -56,6 +60,11 @@ class Trainer:
         t, a = cfg.trainer, cfg.algorithm
         if t.threads:
             torch.set_num_threads(t.threads)
+        if t.deterministic:
+            # cuBLAS reads this when CUDA starts; without it deterministic algorithms refuse its GEMMs
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True, warn_only=True)
+        self.model_path = model_path
         seed_everything(cfg.rollout.seed)
         self.model = load_model(model_path, cfg)
         self.reference = load_model(model_path, cfg, trainable=False) if a.kl_coef > 0 else None
@@ -182,6 +191,16 @@ class Trainer:
                    lr=self.scheduler.get_last_lr()[0], forward_tokens=forwarded)
         return out
 
+    def train_reply(self, reply: P.Message) -> tuple[Batch | None, dict[str, float]]:
+        """Decode, check and train on one BATCH (a live step's or a replayed one): the batch and its metrics."""
+        samples, rejected = decode_batch(reply, self.vocab, self.cfg.rollout.temperature or None)
+        batch = build_batch(samples, rejected, self.cfg.algorithm.advantage, self.cfg.algorithm.drops_zero_spread(),
+                            self.pad_id)
+        metrics: dict[str, float] = {}
+        if batch is not None and batch.size:
+            metrics = self.train_on(batch, skipped=reply.header.get("skipped", 0))
+        return batch, metrics
+
     def run_step(self) -> bool:
         """Fetch, train, publish and commit one step; False when stopped."""
         step_started = time.monotonic()
@@ -189,12 +208,7 @@ class Trainer:
         if reply is None:
             return False
         compute_started = time.monotonic()
-        samples, rejected = decode_batch(reply, self.vocab, self.cfg.rollout.temperature or None)
-        batch = build_batch(samples, rejected, self.cfg.algorithm.advantage, self.cfg.algorithm.drops_zero_spread(),
-                            self.pad_id)
-        metrics: dict[str, float] = {}
-        if batch is not None and batch.size:
-            metrics = self.train_on(batch, skipped=reply.header.get("skipped", 0))
+        batch, metrics = self.train_reply(reply)
         compute_s = time.monotonic() - compute_started
         publish_started = time.monotonic()
         self.version = self.step + 1
@@ -345,6 +359,7 @@ class Trainer:
 
     def run(self, max_steps: int | None = None) -> int:
         self.resume()
+        checkpoint.write_record(self.cfg, self.model_path, self.step)
         if self.client is None:
             self.connect()
         done = 0
@@ -374,6 +389,7 @@ def run(cfg: RunConfig) -> None:
 
     try:
         trainer = Trainer(cfg, resolve_model(cfg.model.path, cfg.model.cache_dir))
+        telemetry.start(cfg, "trainer", cfg.trainer.name)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, lambda *_: trainer.stop())
         trainer.run()

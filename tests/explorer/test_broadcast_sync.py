@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -18,6 +17,7 @@ from rlbus.common.config import load_config
 from rlbus.weights.digest import weights_digest
 from rlbus.weights.sync import load_checkpoint
 from rlbus.explorer.main import Explorer
+from rlbus.logview import events
 from tests.conftest import REPO
 from tests.explorer.test_explorer import explorer_config
 
@@ -118,9 +118,7 @@ def test_mixed_fleet_late_joiner_gets_the_checkpoint_then_the_broadcast(broker_f
         assert state["method"] == "nccl" and Path(state["location"]).is_dir()
 
         def loaded(version):
-            lines = log_file.read_text().splitlines() if log_file.exists() else []
-            return any(e.get("event") == "weights_loaded" and e.get("policy_version") == version
-                       for e in map(json.loads, lines))
+            return any(e.get("policy_version") == version for e in events(log_file, "weights_loaded"))
         wait_for(lambda: loaded(2), 60, "the file explorer to load version 2 from the checkpoint")
 
         ex.stop()

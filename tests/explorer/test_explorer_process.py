@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -14,6 +13,7 @@ import pytest
 from rlbus.common import protocol as P
 from rlbus.explorer.engine import inline_core
 from rlbus.explorer.main import Explorer
+from rlbus.logview import events
 from tests.conftest import REPO
 from tests.explorer.test_explorer import explorer_config
 
@@ -83,7 +83,7 @@ def _wait_for_lease(tool, proc: subprocess.Popen, name: str, tmp_path) -> int:
 
 
 def _events(tmp_path, name: str) -> list[dict]:
-    return [json.loads(x) for x in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+    return events(tmp_path / f"{name}.jsonl")
 
 
 def _stop_group(proc: subprocess.Popen) -> None:

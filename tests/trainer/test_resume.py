@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sqlite3
@@ -14,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from rlbus.common import protocol as P
+from rlbus.logview import events
 from tests.conftest import REPO
 from tests.trainer.test_trainer import synthetic
 
@@ -32,10 +32,7 @@ def start_trainer(b, run_dir, tiny_model, log_path, steps=STEPS, checkpoint_ever
 
 
 def steps_logged(path):
-    if not path.exists():
-        return []
-    return [json.loads(line)["step"] for line in path.read_text().splitlines()
-            if '"train_step"' in line]
+    return [e["step"] for e in events(path, "train_step")]
 
 
 def kill_when(proc, condition, timeout: float = 300) -> None:
@@ -80,7 +77,7 @@ def test_sigkill_and_resume_gives_the_weights_of_an_uninterrupted_run(broker_fac
     assert proc.wait(300) == 0
     logged = steps_logged(tmp_path / "b.jsonl")
     assert logged[:5] == [0, 1, 2, 3, 4] and logged[5:] == [4, 5], "resumed at step 4, from the step-3 checkpoint"
-    resumed = [json.loads(line) for line in (tmp_path / "b.jsonl").read_text().splitlines() if "trainer_resumed" in line]
+    resumed = events(tmp_path / "b.jsonl", "trainer_resumed")
     assert resumed and resumed[0]["step"] == 4
     # The same batch for every step, each group in exactly one step: nothing trained twice.
     assert delivered(a) == delivered(b)
@@ -110,11 +107,10 @@ def test_trainer_killed_two_steps_after_its_checkpoint_resumes_and_finishes(brok
     assert 6 <= announced <= 7
     proc = start_trainer(b, tmp_path / "run", tiny_model, log_path, steps, checkpoint_every=4)
     assert proc.wait(300) == 0, "the resumed trainer finishes the run"
-    events = [json.loads(line) for line in log_path.read_text().splitlines()]
-    assert [e["step"] for e in events if e["event"] == "trainer_resumed"] == [4]
-    skipped = [e["policy_version"] for e in events if e["event"] == "publish_skipped"]
+    assert [e["step"] for e in events(log_path, "trainer_resumed")] == [4]
+    skipped = [e["policy_version"] for e in events(log_path, "publish_skipped")]
     assert skipped and max(skipped) <= announced
-    published = [e for e in events if e["event"] == "weights_published"]
+    published = events(log_path, "weights_published")
     assert published and all(e.get("component") == "trainer" and e.get("peer") == "trainer" for e in published), \
         "events of the publishing thread carry the trainer's context"
     assert tool.request(P.STATUS).header["weights"]["version"] == steps
@@ -161,7 +157,7 @@ def test_trainer_waits_out_a_broker_outage_longer_than_its_request_timeout(broke
 
 
 def events_of(path) -> list[str]:
-    return [json.loads(line)["event"] for line in path.read_text().splitlines()] if path.exists() else []
+    return [e["event"] for e in events(path)]
 
 
 def test_a_trainer_that_fails_says_why_in_its_log(broker_factory, tmp_path):
@@ -172,5 +168,5 @@ def test_a_trainer_that_fails_says_why_in_its_log(broker_factory, tmp_path):
             "logging.format=json", "--set", f"logging.file={log_path}"]
     proc = subprocess.run(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120)
     assert proc.returncode != 0
-    failed = [json.loads(line) for line in log_path.read_text().splitlines() if '"trainer_failed"' in line]
+    failed = events(log_path, "trainer_failed")
     assert failed and failed[0]["component"] == "trainer" and "no-such-model" in failed[0]["exception"]
