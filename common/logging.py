@@ -23,11 +23,17 @@ _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARN
 
 class _Quiet:
     """A stream whose writes never raise: a closed terminal (EIO) or a gone reader (EPIPE) must not stop a
-    process in the middle of stopping cleanly. After the first failure, writes are dropped."""
+    process in the middle of stopping cleanly. After the first failure, writes are dropped. Without a stream
+    of its own it writes to whatever `sys.stderr` is at the time (a live terminal view redirects it, and
+    prints the lines above itself)."""
 
-    def __init__(self, stream: TextIO):
-        self._stream = stream
+    def __init__(self, stream: TextIO | None):
+        self._own = stream
         self._broken = False
+
+    @property
+    def _stream(self) -> TextIO:
+        return self._own or sys.stderr
 
     def write(self, text: str) -> int:
         if not self._broken:
@@ -67,7 +73,7 @@ class _Tee:
 def setup_logging(component: str, level: str = "info", fmt: str = "auto", file: str | Path | None = None,
                   stream: TextIO | None = None, **context: Any) -> structlog.stdlib.BoundLogger:
     """Configure structlog for this process and bind `component` and `context`."""
-    stream = stream or sys.stderr
+    own, stream = stream, stream or sys.stderr
     console = fmt == "console" or (fmt == "auto" and stream.isatty())
     sink = None
     if file:
@@ -84,7 +90,7 @@ def setup_logging(component: str, level: str = "info", fmt: str = "auto", file: 
             _Tee(stream, console, sink),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
-        logger_factory=structlog.PrintLoggerFactory(_Quiet(stream)),
+        logger_factory=structlog.PrintLoggerFactory(_Quiet(own)),
         cache_logger_on_first_use=False,
     )
     structlog.contextvars.clear_contextvars()

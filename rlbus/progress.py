@@ -42,6 +42,7 @@ class RunView:
         self.live = Live(console=self.console, refresh_per_second=2, transient=False)
         self.started = time.monotonic()
         self._first: tuple[float, int] | None = None  # (when, step) the first step was seen
+        self._reward = None  # the last step with a reward (a step of all-equal groups trains nothing, has none)
 
     def __enter__(self) -> RunView:
         self.live.start()
@@ -70,7 +71,9 @@ class RunView:
         table.add_column()
         done = 0 if step is None else step + 1
         table.add_row("step", f"{done}/{self.total}")
-        table.add_row("reward", _num(progress.get("reward_mean")))
+        if progress.get("reward_mean") is not None:
+            self._reward = progress["reward_mean"]
+        table.add_row("reward", _num(self._reward))
         accuracy = progress.get("accuracy")
         table.add_row("held-out accuracy", "–" if accuracy is None else
                       f"{accuracy:.3f} (v{progress.get('accuracy_version')})")

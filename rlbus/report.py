@@ -92,8 +92,8 @@ def _staleness(run: Run) -> str:
     for s in run.steps:
         for lag, n in (s.get("staleness") or {}).items():
             counts[int(lag)] += n
-    fig, ax = plt.subplots(figsize=(5.5, 3.2))
     lags = sorted(counts)
+    fig, ax = plt.subplots(figsize=(min(5.5, 2 + 0.5 * len(lags)), 3.2))
     ax.bar([str(k) for k in lags], [counts[k] for k in lags], color="#55A868")
     ax.set_xlabel("staleness (step - policy version)")
     ax.set_ylabel("samples trained")
@@ -119,10 +119,10 @@ def _throughput(run: Run) -> tuple[str, dict[str, float]]:
             idle[peer] = run.activity[peer]["idle_share"]
     fig, (ax_tok, ax_idle) = plt.subplots(1, 2, figsize=(11, 3.2))
     ax_tok.barh(list(tokens), list(tokens.values()), color="#4C72B0")
-    ax_tok.set_xlabel("tokens per second (trainer: trained, median step; explorers: generated)")
+    ax_tok.set_xlabel("tokens / s (trainer: trained, median step;\nexplorers: generated)")
     ax_idle.barh(list(idle), list(idle.values()), color="#BBBBBB")
     ax_idle.set_xlim(0, 1)
-    ax_idle.set_xlabel("idle share (trainer: waiting for data; explorers: engine not stepping)")
+    ax_idle.set_xlabel("idle share (trainer: waiting for data;\nexplorers: engine not stepping)")
     for ax in (ax_tok, ax_idle):
         ax.invert_yaxis()
     return _svg(fig), idle
@@ -149,7 +149,7 @@ def build(run_dir: str | Path) -> str:
         "run directory": str(run_dir.resolve()),
         "trainer steps": len(run.steps),
         "wall time": f"{run.wall_s:.0f} s",
-        "samples trained": sum(s.get("samples", 0) for s in run.steps),
+        "samples trained (all-equal groups left out)": sum(s.get("samples", 0) for s in run.steps),
         "batch reward, first → last": f"{rewards[0]:.3f} → {rewards[-1]:.3f}" if rewards else "–",
         "held-out accuracy, first → last": (f"{run.evals[0]['accuracy']:.3f} (v{run.evals[0]['policy_version']}) → "
                                             f"{run.evals[-1]['accuracy']:.3f} (v{run.evals[-1]['policy_version']})"

@@ -26,7 +26,9 @@ def test_the_run_view_shows_step_reward_accuracy_versions_depth_and_an_eta():
     progress.update(step=2, reward_mean=0.25, accuracy=0.75, accuracy_version=3,
                     explorer_versions={"explorer-0": 2, "explorer-1": 3}, buffer_depth=16)
     console.print(view.render(progress, now=view.started + 11))  # 2 steps in 10 s, 3 to go
+    console.print(view.render(dict(progress, reward_mean=None), now=view.started + 12))  # a step that trained nothing
     text = console.export_text()
+    assert text.count("0.250") == 2, "the last reward stays"
     for shown in ("3/6", "0.250", "0.750 (v3)", "explorer-0 v2  explorer-1 v3", "16", "0:00:11", "0:00:15"):
         assert shown in text, (shown, text)
 
