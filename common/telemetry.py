@@ -171,7 +171,10 @@ class WandB:
             self.run.log(scalars(values, event))
 
     def close(self) -> None:
+        import wandb
+
         self.run.finish()
+        wandb.teardown()  # its service process too
 
 
 class Started:
@@ -186,6 +189,12 @@ class Started:
             metrics.remove_sink(sink)
             sink.close()
         self.sinks.clear()
+
+    def __enter__(self) -> Started:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def start(cfg, component: str, name: str | None = None) -> Started:

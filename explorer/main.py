@@ -358,7 +358,7 @@ def run(cfg: RunConfig) -> None:
     with engine:
         engine.warm_up()
         explorer = Explorer(cfg, engine)
-        telemetry.start(cfg, "explorer", explorer.name)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, lambda *_: explorer.stop())
-        explorer.run()
+        with telemetry.start(cfg, "explorer", explorer.name):
+            explorer.run()

@@ -97,9 +97,9 @@ class RewardWorker:
                     started = time.monotonic()
                     results = handler(items)
                     self.scoring_s += time.monotonic() - started
-                client.send(P.RESULT, {"job": msg.header["job"], "results": results})
-                self.served += len(items)
+                self.served += len(items)  # counted before the answer goes: whoever has it sees the count
                 self.jobs += 1
+                client.send(P.RESULT, {"job": msg.header["job"], "results": results})
         finally:
             client.close(bye=True)
         log.info("reward_worker_stopped", served=self.served)

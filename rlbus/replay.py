@@ -84,6 +84,9 @@ def replay(run_dir: str | Path, buffer_dir: str | Path | None = None, out_dir: s
     run_dir = Path(run_dir)
     record = load_record(run_dir)
     cfg = RunConfig.model_validate(record["config"])
+    if not Path(record["model_path"]).exists():
+        raise ReplayError(f"the run's model {record['model_path']} is not here; replay needs the same weights to "
+                          "start from")
     if not record.get("deterministic", False):
         log.warning("replay_not_deterministic", note="the run trained with trainer.deterministic off: the weights "
                                                        "may differ in their last bits")

@@ -389,10 +389,10 @@ def run(cfg: RunConfig) -> None:
 
     try:
         trainer = Trainer(cfg, resolve_model(cfg.model.path, cfg.model.cache_dir))
-        telemetry.start(cfg, "trainer", cfg.trainer.name)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, lambda *_: trainer.stop())
-        trainer.run()
+        with telemetry.start(cfg, "trainer", cfg.trainer.name):
+            trainer.run()
     except Exception as exc:  # the log says why the trainer ended, not only stderr
         log.exception("trainer_failed", error=P.brief(exc))
         raise

@@ -71,6 +71,9 @@ def test_a_sink_that_cannot_start_is_a_warning_and_the_others_start(tmp_path, mo
     unavailable = {e["sink"] for e in logs if e["event"] == "metrics_sink_unavailable"}
     assert "prometheus" in unavailable and started.prometheus is None
     assert ("wandb" in unavailable) == (importlib.util.find_spec("wandb") is None)
+    if "wandb" not in unavailable:  # W&B's offline record of the run holds the step's scalars
+        record = next((tmp_path / "wandb").glob("offline-run-*/run-*.wandb")).read_bytes()
+        assert b"train_step/loss" in record and b"rlbus-test" in record
     acc = EventAccumulator(str(tmp_path / "tensorboard" / "trainer")).Reload()
     assert [(e.step, e.value) for e in acc.Scalars("train_step/loss")] == [(3, 0.5)]
     assert not any(isinstance(s, (telemetry.Prometheus, telemetry.TensorBoard)) for s in metrics._sinks)

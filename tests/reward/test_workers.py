@@ -7,15 +7,17 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from rlbus.common import protocol as P
 from rlbus.common.client import BrokerError
 from rlbus.reward.base import Response
 from rlbus.reward.worker import RemoteReward
-from tests.conftest import REPO
+from tests.conftest import REPO, free_port
 
 SLOW = "tests.helpers.slow_reward:score"
 
@@ -24,10 +26,10 @@ SLOW = "tests.helpers.slow_reward:score"
 def workers(tmp_path):
     started = []
 
-    def start(b, name):
+    def start(b, name, *sets):
         args = [sys.executable, "-m", "rlbus.cli", "reward", "--broker", b.address, "--name", name,
                 "--service", "math", "--service", SLOW, "--set", "broker.heartbeat_interval_s=0.2",
-                "--set", "logging.format=json"]
+                "--set", "logging.format=json", *[x for s in sets for x in ("--set", s)]]
         proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"{name}.log", "w"))
         started.append(proc)
         return proc
@@ -90,3 +92,16 @@ def test_a_service_no_worker_offers_is_a_clear_error(broker, clients):
     ex = clients(broker, "explorer", "ex")
     with pytest.raises(BrokerError, match="no_service.*'code'.*rlbus reward"):
         ex.request(P.EVAL, {"service": "code", "items": [{"task": {}, "text": ""}]})
+
+
+def test_a_worker_serves_its_counts_on_metrics(broker_factory, clients, workers):
+    b = broker_factory("reward.eval_timeout_s=30")
+    port = free_port()
+    workers(b, "w1", f"metrics.prometheus_port={port}")
+    ex = clients(b, "explorer", "ex")
+    wait_for_services(ex, 1)
+    RemoteReward(ex, "math", 30).score_batch([{"answer": "42"}] * 3, [Response("\\boxed{42}")] * 3)
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    assert samples["rlbus_reward_scored_total"] == 3 and samples["rlbus_reward_jobs_total"] == 1
+    assert samples["rlbus_reward_scoring_seconds_total"] > 0
