@@ -67,7 +67,8 @@ def load_record(run_dir: Path) -> dict:
 
     path = run_dir / RECORD
     if not path.exists():
-        raise ReplayError(f"{path} is missing: the run's trainer writes it when it starts (rlbus 0.1 or later)")
+        raise ReplayError(f"{path} is missing: the trainer writes it when it starts, and runs from before it did "
+                          "cannot be replayed")
     return json.loads(path.read_text())
 
 
