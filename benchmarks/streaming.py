@@ -129,15 +129,16 @@ def run_paced(mode: str, steps: int, model: str, root: Path, extra: tuple[str, .
     finally:
         if client is not None:
             client.close(bye=True)
-        for proc in reversed(procs):
-            if proc.poll() is None:
-                os.kill(proc.pid, signal.SIGTERM)
-        for proc in reversed(procs):
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        for group in (procs[1:], procs[:1]):  # the explorers first, so that the broker is there for their BYE
+            for proc in group:
+                if proc.poll() is None:
+                    os.kill(proc.pid, signal.SIGTERM)
+            for proc in group:
+                try:
+                    proc.wait(60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
     print(f"{tag}: ran {steps} steps", file=sys.stderr, flush=True)
     return measure_paced(run_dir, steps_at, staleness, cfg.data.batch_tasks * cfg.rollout.repeat, warmup)
 
@@ -169,11 +170,13 @@ def main() -> None:
     parser.add_argument("--workloads", default="even,uneven")
     parser.add_argument("--modes", default=",".join(MODES), help=f"of {', '.join(MODES)}")
     parser.add_argument("--keep", action="store_true", help="keep the run directories (printed)")
+    parser.add_argument("--explorers", type=int, default=2, help="explorers per run (paced trainer)")
     parser.add_argument("--smoke", action="store_true",
-                        help="4 steps of the even workload in two modes: checks that it runs")
+                        help="3 steps of the even workload, streaming_keep, one explorer: checks that it runs (the "
+                             "batch baseline is the same run with another preset)")
     args = parser.parse_args()
     if args.smoke:
-        args.workloads, args.modes, args.steps, args.warmup = "even", "multi_explorer_async,streaming_keep", 4, 1
+        args.workloads, args.modes, args.steps, args.warmup, args.explorers = "even", "streaming_keep", 3, 1, 1
     root = Path(tempfile.mkdtemp(prefix="rlbus-streaming-"))
     results: dict = {}
     for workload in args.workloads.split(","):
@@ -182,7 +185,7 @@ def main() -> None:
             preset, settings = MODES[mode]
             extra = (*WORKLOADS[workload], *settings)
             if args.trainer == "paced":
-                figures = run_paced(preset, args.steps, args.model, root, extra, tag, args.warmup)
+                figures = run_paced(preset, args.steps, args.model, root, extra, tag, args.warmup, args.explorers)
             else:
                 figures = measure(run_mode(preset, args.steps, args.model, root, extra, tag), args.warmup)
             results.setdefault(workload, {})[mode] = figures
