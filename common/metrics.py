@@ -1,7 +1,7 @@
 """The one sink for per-step metrics.
 
 Every canonical metrics line goes through `emit`: the trainer's
-`train_step`, the explorer's `explorer_batch`, `explorer_groups`,
+`train_step` and `weights_published`, the explorer's `explorer_batch`, `explorer_groups`,
 `weights_loaded`, `put_acked` and `eval`. The first record is the structured
 log line (JSON lines that `rlbus logs`, the launcher's run summary and the
 benchmarks read back through `rlbus.logview`); further sinks (Prometheus,

@@ -1,8 +1,9 @@
 """Metrics beyond the log line: Prometheus `/metrics`, TensorBoard scalars, Weights & Biases.
 
 Each is a sink of `rlbus.common.metrics`: it receives the canonical metrics
-events (`train_step`, `explorer_batch`, `explorer_groups`, `eval`,
-`weights_loaded`, `put_acked`) with their values, as the log line does.
+events (`train_step`, `weights_published`, `explorer_batch`,
+`explorer_groups`, `eval`, `weights_loaded`, `put_acked`) with their values,
+as the log line does.
 `start(cfg, component, name)` starts those the config asks for in a process:
 
 - Prometheus (`metrics.prometheus_port`, off by default): an HTTP server on
@@ -62,6 +63,10 @@ EVENT_METRICS: dict[str, list[tuple[str, str, str, str]]] = {
         ("rlbus_explorer_tokens_per_second", "gauge", "tokens_per_s", "Generated tokens per second, last batch"),
     ],
     "explorer_groups": _ROLLOUT,
+    "weights_published": [
+        ("rlbus_trainer_weights_publish_seconds", "histogram", "seconds",
+         "Time to write (or broadcast) a version and announce it (weight sync)"),
+    ],
     "weights_loaded": [
         ("rlbus_explorer_weights_load_seconds", "histogram", "seconds", "Time to load a new version (weight sync)"),
     ],

@@ -11,8 +11,8 @@ explorer by its peer name), with these tracks:
   wait for a version (`waiting_for_weights` .. `weights_wait_over`); `eval`:
   held-out evaluations;
 - trainer `step`: each step, with its FETCH wait, compute and publishing
-  inside it (`train_step`); `publish`: when each version was written and
-  announced (`weights_published`, an instant);
+  inside it (`train_step`); `publish`: each version written (or broadcast)
+  and announced, on the publishing thread (`weights_published`);
 - broker `requests`: batches delivered, redelivered and committed, groups
   retired, leases granted and refused, weights announced, peers joining and
   leaving (instants); counters: the buffer's depth, and each explorer's
@@ -120,7 +120,8 @@ def build(run_dir: str | Path) -> dict[str, Any]:
                 trace.span("trainer", "step", "compute", start + e["wait_s"], t - e["publish_s"])
                 trace.span("trainer", "step", "publish and commit", t - e["publish_s"], t)
             elif name == "weights_published":
-                trace.instant("trainer", "publish", f"v{e['policy_version']} published", t, _args(e))
+                trace.span("trainer", "publish", f"publish v{e['policy_version']}", t - e.get("seconds", 0.0), t,
+                           _args(e))
         elif component == "broker":
             if name in BROKER_INSTANTS:
                 trace.instant("broker", "requests", name, t, _args(e))

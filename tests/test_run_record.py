@@ -25,7 +25,7 @@ from rlbus.logview import events
 from rlbus.report import FIGURES
 from tests.conftest import REPO, free_port
 
-STEPS = 6
+STEPS = 4
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 # headless, and no background connections: the test machine has no network beyond loopback
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -94,7 +94,8 @@ def async_run(tiny_model, tmp_path_factory):
     # Each component is scraped until it has shown what the test checks (the trainer: step 2; an explorer: a
     # rollout and a weight load; the broker: a delivery), while the run goes on.
     ready = {"broker": lambda m: _value(m["rlbus_broker_delivered_batches"], "rlbus_broker_delivered_batches_total"),
-             "trainer": lambda m: _value(m["rlbus_trainer_step"], "rlbus_trainer_step") >= 2,
+             "trainer": lambda m: (_value(m["rlbus_trainer_step"], "rlbus_trainer_step") >= 2 and _value(
+                 m["rlbus_trainer_weights_publish_seconds"], "rlbus_trainer_weights_publish_seconds_count")),
              "explorer-0": _explored, "explorer-1": _explored}
     scraped: dict[str, dict] = {}
     try:
@@ -141,10 +142,10 @@ def test_an_async_run_with_two_explorers_replays_to_the_same_weights_byte_for_by
 
     same = _cli("replay", async_run, "--out", tmp_path / "replay")
     assert same.returncode == 0, same.stdout + same.stderr[-3000:]
-    # the three newest published versions (the run keeps three) and the checkpoints of steps 1, 3 and 5
+    # the three newest published versions (the run keeps three) and the checkpoints of steps 1 and 3
     lines = same.stdout.splitlines()
-    assert [x for x in lines if x.startswith("weights")] == [f"weights v{v}: equal" for v in (4, 5, 6)]
-    assert [x for x in lines if x.startswith("checkpoint")] == [f"checkpoint step {s}: equal" for s in (1, 3, 5)]
+    assert [x for x in lines if x.startswith("weights")] == [f"weights v{v}: equal" for v in (2, 3, 4)]
+    assert [x for x in lines if x.startswith("checkpoint")] == [f"checkpoint step {s}: equal" for s in (1, 3)]
     assert (tmp_path / "replay" / "weights" / f"v{STEPS}" / "model.safetensors").read_bytes() == \
         (async_run / "weights" / f"v{STEPS}" / "model.safetensors").read_bytes()
 
@@ -157,7 +158,8 @@ def test_an_async_run_with_two_explorers_replays_to_the_same_weights_byte_for_by
     (changed / "trainer.json").write_text(json.dumps(record))
     other = _cli("replay", changed, "--buffer", async_run / "buffer", "--out", tmp_path / "other", "--steps", 2)
     assert other.returncode == 1, other.stdout + other.stderr[-3000:]
-    assert other.stdout.startswith("checkpoint step 1: DIFFERENT") and "NOT equal" in other.stdout
+    assert "weights v2: DIFFERENT" in other.stdout and "checkpoint step 1: DIFFERENT" in other.stdout
+    assert "NOT equal" in other.stdout
 
 
 def test_a_run_without_a_record_is_a_clear_error(tmp_path):
@@ -194,6 +196,9 @@ def test_the_trace_is_chrome_trace_json_whose_spans_are_the_logs(async_run, tmp_
     spans = [e for e in evs if names.get(e["pid"]) == "trainer" and e["name"].startswith("step ")]
     assert [s["name"] for s in spans] == [f"step {s['step']}" for s in steps]
     assert [s["dur"] for s in spans] == [round(s["step_s"] * 1e6) for s in steps]
+    publishes = [e for e in evs if names.get(e["pid"]) == "trainer" and e["name"].startswith("publish v")]
+    assert [p["dur"] for p in publishes] == \
+        [round(e["seconds"] * 1e6) for e in events(async_run / "logs" / "trainer.jsonl", "weights_published")]
     delivered = [e for e in evs if names.get(e["pid"]) == "broker" and e["name"] == "batch_delivered"]
     assert len(delivered) == STEPS
     assert any(e["ph"] == "C" and e["name"] == "buffer depth" for e in evs)
@@ -265,7 +270,7 @@ def test_the_report_is_one_self_contained_page_with_every_plot(report_page):
     parsed = _Figures(report_page.read_text())
     assert set(parsed.plots) == set(FIGURES) and not parsed.links, parsed.links
     assert parsed.plots["timeline"] == "img" and parsed.plots["reward"] == "svg"
-    assert "trainer steps</th><td>6<" in report_page.read_text()
+    assert f"trainer steps</th><td>{STEPS}<" in report_page.read_text()
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="no Chromium here to render the page in (Debian: apt install chromium)")

@@ -251,6 +251,7 @@ class Trainer:
         snapshot = self.publisher.snapshot(self.model)
 
         def job() -> None:
+            started = time.monotonic()
             state = self.publisher.publish(snapshot, version, step)
             try:
                 self._request(P.PUBLISH, state)
@@ -259,7 +260,8 @@ class Trainer:
                     raise
                 log.warning("publish_refused", policy_version=version, reason=exc.message)
                 return
-            log.info("weights_published", policy_version=version, location=state["location"])
+            metrics_sink.emit("weights_published", policy_version=version, location=state["location"],
+                              seconds=round(time.monotonic() - started, 3))  # written, announced
 
         # The publishing thread logs with this thread's bound context (component, peer, step).
         self._publishes.append(self._publish_pool.submit(contextvars.copy_context().run, job))
