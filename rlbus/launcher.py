@@ -9,7 +9,8 @@ engine processes too) and, if configured, pinned to its cores.
 
 While they run, a progress line shows the trainer's step and reward, each
 explorer's policy version, the buffer depth and how many explorers are
-connected. The run ends when the trainer finishes its steps, on Ctrl-C or
+connected (on a terminal, a live view instead: rlbus/progress.py). With
+`metrics.prometheus_port` each child serves `/metrics` on its own port. The run ends when the trainer finishes its steps, on Ctrl-C or
 SIGTERM, or when a component fails (`launch.on_crash: stop`; with `restart`
 it is started again, up to `launch.max_restarts` times). Stopping sends
 SIGTERM to the explorers and the trainer, then the broker, and SIGKILL to any
