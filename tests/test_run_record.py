@@ -25,7 +25,7 @@ from rlbus.logview import events
 from rlbus.report import FIGURES
 from tests.conftest import REPO, free_port
 
-STEPS = 4
+STEPS = 6  # fewer, and the second explorer may start too late to contribute a batch
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 # headless, and no background connections: the test machine has no network beyond loopback
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -142,10 +142,10 @@ def test_an_async_run_with_two_explorers_replays_to_the_same_weights_byte_for_by
 
     same = _cli("replay", async_run, "--out", tmp_path / "replay")
     assert same.returncode == 0, same.stdout + same.stderr[-3000:]
-    # the three newest published versions (the run keeps three) and the checkpoints of steps 1 and 3
+    # the three newest published versions (the run keeps three) and the checkpoints of steps 1, 3 and 5
     lines = same.stdout.splitlines()
-    assert [x for x in lines if x.startswith("weights")] == [f"weights v{v}: equal" for v in (2, 3, 4)]
-    assert [x for x in lines if x.startswith("checkpoint")] == [f"checkpoint step {s}: equal" for s in (1, 3)]
+    assert [x for x in lines if x.startswith("weights")] == [f"weights v{v}: equal" for v in (4, 5, 6)]
+    assert [x for x in lines if x.startswith("checkpoint")] == [f"checkpoint step {s}: equal" for s in (1, 3, 5)]
     assert (tmp_path / "replay" / "weights" / f"v{STEPS}" / "model.safetensors").read_bytes() == \
         (async_run / "weights" / f"v{STEPS}" / "model.safetensors").read_bytes()
 
@@ -158,7 +158,7 @@ def test_an_async_run_with_two_explorers_replays_to_the_same_weights_byte_for_by
     (changed / "trainer.json").write_text(json.dumps(record))
     other = _cli("replay", changed, "--buffer", async_run / "buffer", "--out", tmp_path / "other", "--steps", 2)
     assert other.returncode == 1, other.stdout + other.stderr[-3000:]
-    assert "weights v2: DIFFERENT" in other.stdout and "checkpoint step 1: DIFFERENT" in other.stdout
+    assert "checkpoint step 1: DIFFERENT" in other.stdout
     assert "NOT equal" in other.stdout
 
 
