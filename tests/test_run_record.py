@@ -5,6 +5,7 @@ spans are the logs'."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import shutil
@@ -75,9 +76,11 @@ def _explored(m: dict) -> bool:
 def async_run(tiny_model, tmp_path_factory):
     """The run's directory, and each component's /metrics as scraped while it ran (after step 2)."""
     run_dir = tmp_path_factory.mktemp("async") / "run"
-    port = _consecutive_free_ports(4)
-    sets = [f"run.dir={run_dir}", f"model.path={tiny_model}", f"broker.port={free_port()}",
-            f"broker.pub_port={free_port()}", "broker.heartbeat_interval_s=0.5", "rollout.repeat=4",
+    # /metrics on port .. port + 3 (broker, trainer, explorers), the broker on the next two: all free together,
+    # so that none of them is handed out again to another of them
+    port = _consecutive_free_ports(6)
+    sets = [f"run.dir={run_dir}", f"model.path={tiny_model}", f"broker.port={port + 4}",
+            f"broker.pub_port={port + 5}", "broker.heartbeat_interval_s=0.5", "rollout.repeat=4",
             "data.batch_tasks=2", f"trainer.total_steps={STEPS}", "trainer.checkpoint_every=2",
             "trainer.keep_checkpoints=3", "trainer.micro_batch=4", "trainer.lr=1e-3", "trainer.fetch_wait_s=1",
             "rollout.max_tokens=8", "rollout.dtype=float32", "explorer.memory_fraction=0.1",
@@ -106,7 +109,7 @@ def async_run(tiny_model, tmp_path_factory):
                 try:
                     if name not in scraped and done(metrics := _scrape(port + i)):
                         scraped[name] = metrics
-                except (OSError, KeyError, StopIteration):  # not serving yet, or not there yet
+                except (OSError, http.client.HTTPException, KeyError, StopIteration):  # not serving or there yet
                     continue
         assert up.wait(300) == 0, err.read_text()[-3000:]
     finally:
