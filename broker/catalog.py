@@ -87,6 +87,13 @@ class Catalog:
         for segment, offset, entries in self.db.execute("SELECT segment, offset, entries FROM chunks ORDER BY rowid"):
             yield segment, offset, unpack(entries)
 
+    def placed(self) -> Iterator[tuple[dict, int, int, int, int]]:
+        """(meta, segment, offset, length, crc) of every stored trajectory, in write order."""
+        for segment, offset, entries in self.chunks():
+            for meta, length, crc in entries:
+                yield meta, segment, offset, length, crc
+                offset += length
+
     def add_chunks(self, rows: Iterable[tuple[int, int, list]]) -> None:
         """Record chunks (writer thread, on its own connection: WAL lets it commit beside the loop)."""
         if self._wdb is None:

@@ -24,10 +24,8 @@ class DeliveredBatches:
         self.catalog = Catalog(self.dir / "buffer.sqlite3", fsync=False, readonly=True)
         self.segments = SegmentLog(self.dir / "segments", fsync=False, segment_bytes=1 << 30)
         self._where: dict[str, tuple[int, int, int, int, dict[str, Any]]] = {}
-        for segment, offset, entries in self.catalog.chunks():
-            for meta, length, crc in entries:
-                self._where[meta["id"]] = (segment, offset, length, crc, meta)
-                offset += length
+        for meta, segment, offset, length, crc in self.catalog.placed():
+            self._where[meta["id"]] = (segment, offset, length, crc, meta)
 
     def __iter__(self) -> Iterator[tuple[int, P.Message, bool]]:
         """(step, the BATCH sent for it, committed) for every recorded step, by step."""

@@ -103,11 +103,9 @@ class Store:
 
     def _recover(self) -> None:
         trajs = []
-        for segment, offset, entries in self.catalog.chunks():
-            for meta, length, crc in entries:
-                trajs.append(Traj(meta["id"], meta["policy_version"], float(meta["reward"]), segment, offset,
-                                  length, crc, meta))
-                offset += length
+        for meta, segment, offset, length, crc in self.catalog.placed():
+            trajs.append(Traj(meta["id"], meta["policy_version"], float(meta["reward"]), segment, offset, length,
+                              crc, meta))
         self._attach(trajs)
         for step, group_ids, committed in self.catalog.batches():
             for gid in group_ids:
