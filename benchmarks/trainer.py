@@ -12,16 +12,25 @@ batch as one packed sequence). Time outside compute = waiting for the batch +
 publishing (the weight snapshot; writing happens on the publishing thread) +
 commit.
 
-    python benchmarks/trainer.py [--steps N]
+With `--world-size N` it then runs the shared-prompt variant as `rlbus
+trainer` processes, at world size 1 and at N (FSDP2 ranks on this host's
+cores), and reports each one's trained tokens/s, time outside compute, and
+publishing: the snapshot on the training thread (at N, gathered from the
+shards) and the whole publish (written and announced). On a 2-core machine
+no speedup is expected at N = 2; the figure is there to catch overhead.
+
+    python benchmarks/trainer.py [--steps N] [--world-size N]
 
 Last line: one JSON object with tokens_per_s and non_compute_share (shared
-prompts), ratio_to_rows, and each variant's figures.
+prompts), ratio_to_rows, each variant's figures, and with --world-size a
+"ranks" object (per world size, and the ratio of N's tokens/s to 1's).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import tempfile
 import time
@@ -35,85 +44,124 @@ from benchmarks.harness import broker_process, free_port  # noqa: E402
 SYSTEM_TOKENS, QUESTION_TOKENS = 30, 14  # the default task's prompt: chat template's system prompt + question
 
 
-def run_variant(model: str, steps: int, shared_prompt: bool, micro_batch: int) -> list[dict]:
-    """`steps` + 1 trainer steps against a broker filled with default-task-shaped groups; their train_step
-    events (the first, which pays one-time warm-up, left out)."""
+def fill(port: int, steps: int) -> None:
+    """The broker's buffer: `steps` batches of default-task-shaped groups (the same ones on every call)."""
     import numpy as np
-    from structlog.testing import capture_logs
 
     from rlbus.common.client import BrokerClient
-    from rlbus.common.config import load_config
     from rlbus.common.trajectory import encode_payload
-    from rlbus.trainer.main import Trainer
 
-    port, pub = free_port(), free_port()
     rng = np.random.default_rng(0)
     system = rng.integers(0, 49152, SYSTEM_TOKENS).astype(np.int32)
+    feeder = BrokerClient(f"tcp://127.0.0.1:{port}", "explorer", "feeder")
+    feeder.start(30)
+    for g in range(4 * steps):
+        prompt = np.concatenate([system, rng.integers(0, 49152, QUESTION_TOKENS).astype(np.int32)])
+        items = []
+        for i in range(8):
+            n = int(rng.integers(8, 25))
+            meta = {"id": f"g{g}.{i}", "group_id": f"g{g}", "task_id": f"g{g}", "group_size": 8,
+                    "batch_index": g // 4, "policy_version": 0, "reward": float(i % 3 == 0), "n_tokens": n}
+            items.append((meta, encode_payload({
+                "prompt_ids": prompt, "response_ids": rng.integers(0, 49152, n).astype(np.int32),
+                "logprobs": np.full(n, -2.0, dtype=np.float32), "loss_mask": np.ones(n, dtype=np.uint8)})))
+        feeder.put(items, timeout=30)
+    feeder.close()
+
+
+def run_variant(model: str, steps: int, shared_prompt: bool, micro_batch: int, world: int = 0
+                ) -> tuple[list[dict], list[dict]]:
+    """`steps` + 1 trainer steps against a broker filled with default-task-shaped groups: their train_step
+    events (the first, which pays one-time warm-up, left out) and weights_published events. In this process,
+    or with `world` > 0 as `rlbus trainer` with that many ranks."""
+    from structlog.testing import capture_logs
+
+    from rlbus.common.config import load_config
+    from rlbus.logview import events
+
+    port, pub = free_port(), free_port()
     with tempfile.TemporaryDirectory(prefix="rlbus-bench-") as tmp:
         sets = [f"broker.port={port}", f"broker.pub_port={pub}", f"buffer.dir={tmp}/buffer", f"run.dir={tmp}",
                 "sync.sync_style=async", "sync.max_staleness=1000", "rollout.repeat=8", "data.batch_tasks=4",
                 "logging.level=warning"]
         with broker_process(sets, Path(tmp) / "buffer"):
-            feeder = BrokerClient(f"tcp://127.0.0.1:{port}", "explorer", "feeder")
-            feeder.start(30)
-            for g in range(4 * (steps + 1)):
-                prompt = np.concatenate([system, rng.integers(0, 49152, QUESTION_TOKENS).astype(np.int32)])
-                items = []
-                for i in range(8):
-                    n = int(rng.integers(8, 25))
-                    meta = {"id": f"g{g}.{i}", "group_id": f"g{g}", "task_id": f"g{g}", "group_size": 8,
-                            "batch_index": g // 4, "policy_version": 0, "reward": float(i % 3 == 0), "n_tokens": n}
-                    items.append((meta, encode_payload({
-                        "prompt_ids": prompt, "response_ids": rng.integers(0, 49152, n).astype(np.int32),
-                        "logprobs": np.full(n, -2.0, dtype=np.float32), "loss_mask": np.ones(n, dtype=np.uint8)})))
-                feeder.put(items, timeout=30)
-            feeder.close()
-            cfg = load_config(None, sets + [f"broker.address=tcp://127.0.0.1:{port}", "trainer.checkpoint_every=0",
-                                            f"trainer.total_steps={steps + 1}", f"trainer.micro_batch={micro_batch}",
-                                            f"trainer.shared_prompt={shared_prompt}", "trainer.autocast=bfloat16",
-                                            "sync.sync_interval=1"], environ={})
-            trainer = Trainer(cfg, model)
-            with capture_logs() as logs:
-                trainer.run(max_steps=steps + 1)
-    return [e for e in logs if e["event"] == "train_step"][1:]
+            fill(port, steps + 1)
+            trainer_sets = sets + [f"broker.address=tcp://127.0.0.1:{port}", "trainer.checkpoint_every=0",
+                                   f"trainer.total_steps={steps + 1}", f"trainer.micro_batch={micro_batch}",
+                                   f"trainer.shared_prompt={shared_prompt}", "trainer.autocast=bfloat16",
+                                   "sync.sync_interval=1", f"model.path={model}"]
+            if world:
+                log = Path(tmp) / "trainer.jsonl"
+                argv = [sys.executable, "-m", "rlbus.cli", "trainer"]
+                for item in trainer_sets + [f"trainer.world_size={world}", "logging.level=info",
+                                            "logging.format=json", f"logging.file={log}"]:
+                    argv += ["--set", item]
+                subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=1800)
+                logs = events(log)
+            else:
+                from rlbus.trainer.main import Trainer
+
+                trainer = Trainer(load_config(None, trainer_sets, environ={}), model)
+                with capture_logs() as logs:
+                    trainer.run(max_steps=steps + 1)
+    return ([e for e in logs if e["event"] == "train_step"][1:],
+            [e for e in logs if e["event"] == "weights_published" and "seconds" in e][1:])
+
+
+def summarize(name: str, steps: list[dict], published: list[dict]) -> dict:
+    step_s = sum(e["step_s"] for e in steps)
+    compute_s = sum(e["compute_s"] for e in steps)
+    tokens = sum(e["tokens"] for e in steps)
+    for e in steps:
+        print(f"{name} step {e['step']}: {e['tokens']} trained tokens ({e['forward_tokens']} forwarded), "
+              f"compute {e['compute_s']:.2f} s, wait {e['wait_s']:.3f} s, publish {e['publish_s']:.3f} s, "
+              f"step {e['step_s']:.2f} s")
+    figures = {"tokens_per_s": round(tokens / compute_s, 1),
+               "mean_compute_s": round(compute_s / len(steps), 3),
+               "non_compute_share": round((step_s - compute_s) / step_s, 4),
+               "forward_tokens_per_step": round(sum(e["forward_tokens"] for e in steps) / len(steps)),
+               "mean_step_s": round(step_s / len(steps), 2),
+               "mean_wait_s": round(sum(e["wait_s"] for e in steps) / len(steps), 3),
+               "mean_publish_s": round(sum(e["publish_s"] for e in steps) / len(steps), 3)}
+    if published:
+        figures["mean_publish_total_s"] = round(sum(e["seconds"] for e in published) / len(published), 3)
+    print(f"{name}: {figures['tokens_per_s']} trained tokens/s, compute {figures['mean_compute_s']} s"
+          f" per step; {figures['non_compute_share']:.3%} of step time outside compute")
+    return figures
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--model", default="smollm2-135m", help="bundled model name or a model directory")
+    ap.add_argument("--world-size", type=int, default=0,
+                    help="also run `rlbus trainer` at world size 1 and at this many ranks (FSDP2), and compare")
     ap.add_argument("--smoke", action="store_true", help="one timed step: checks that the benchmark runs")
     args = ap.parse_args()
     if args.smoke:
         args.steps = 1
+    if args.world_size == 1 or args.world_size < 0:
+        ap.error("--world-size: 2 or more (world size 1 is always run beside it)")
 
     from rlbus.weights.models import resolve_model
 
     model = str(resolve_model(args.model))
     figures = {}
     for name, shared, micro in (("rows", False, 8), ("shared_prompt", True, 32)):
-        steps = run_variant(model, args.steps, shared, micro)
-        step_s = sum(e["step_s"] for e in steps)
-        compute_s = sum(e["compute_s"] for e in steps)
-        tokens = sum(e["tokens"] for e in steps)
-        for e in steps:
-            print(f"{name} step {e['step']}: {e['tokens']} trained tokens ({e['forward_tokens']} forwarded), "
-                  f"compute {e['compute_s']:.2f} s, wait {e['wait_s']:.3f} s, publish {e['publish_s']:.3f} s, "
-                  f"step {e['step_s']:.2f} s")
-        figures[name] = {"tokens_per_s": round(tokens / compute_s, 1),
-                         "mean_compute_s": round(compute_s / len(steps), 3),
-                         "non_compute_share": round((step_s - compute_s) / step_s, 4),
-                         "forward_tokens_per_step": round(sum(e["forward_tokens"] for e in steps) / len(steps)),
-                         "mean_step_s": round(step_s / len(steps), 2),
-                         "mean_wait_s": round(sum(e["wait_s"] for e in steps) / len(steps), 3),
-                         "mean_publish_s": round(sum(e["publish_s"] for e in steps) / len(steps), 3)}
-        print(f"{name}: {figures[name]['tokens_per_s']} trained tokens/s, compute {figures[name]['mean_compute_s']} s"
-              f" per step; {figures[name]['non_compute_share']:.3%} of step time outside compute")
+        figures[name] = summarize(name, *run_variant(model, args.steps, shared, micro))
     speedup = figures["shared_prompt"]["tokens_per_s"] / figures["rows"]["tokens_per_s"]
     print(f"shared-prompt training: {speedup:.2f}x the trained tokens/s of one row per sample")
-    print(json.dumps({"tokens_per_s": figures["shared_prompt"]["tokens_per_s"],
-                      "non_compute_share": figures["shared_prompt"]["non_compute_share"],
-                      "ratio_to_rows": round(speedup, 3), "steps": args.steps, **figures}))
+    out = {"tokens_per_s": figures["shared_prompt"]["tokens_per_s"],
+           "non_compute_share": figures["shared_prompt"]["non_compute_share"],
+           "ratio_to_rows": round(speedup, 3), "steps": args.steps, **figures}
+    if args.world_size:
+        # Micro-batches of 8: at world size N each rank trains its share of the batch's 4.
+        ranks = {str(w): summarize(f"world_size {w}", *run_variant(model, args.steps, True, 8, world=w))
+                 for w in (1, args.world_size)}
+        ratio = ranks[str(args.world_size)]["tokens_per_s"] / ranks["1"]["tokens_per_s"]
+        print(f"world size {args.world_size}: {ratio:.2f}x the trained tokens/s of world size 1")
+        out["ranks"] = {**ranks, "ratio_to_world_size_1": round(ratio, 3)}
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":

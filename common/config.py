@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
-from pydantic import ValidationError
+from pydantic import Field, ValidationError
 
-# The sections live in sections.py and are part of this module's API.
+# The processes' sections live in sections.py and are part of this module's API; the run-wide ones are below.
 from rlbus.common.sections import (  # noqa: F401
-    AlgorithmConfig, BrokerConfig, BufferConfig, DataConfig, ExplorerConfig, LaunchConfig, LoggingConfig,
-    MetricsConfig, ModelConfig, RewardConfig, RewardTerm, RolloutConfig, Section, SyncConfig, TrainerConfig)
+    AlgorithmConfig, BrokerConfig, BufferConfig, DataConfig, ExplorerConfig, ModelConfig, RewardConfig, RewardTerm,
+    RolloutConfig, Section, SyncConfig, TrainerConfig)
 
 
 class ConfigError(Exception):
@@ -34,6 +34,47 @@ class RunSection(Section):
     """Run name, used in the run directory and the run id."""
     dir: str = "runs/default"
     """Run directory: config snapshot, logs, buffer, weights, checkpoints, metrics."""
+
+
+class LoggingConfig(Section):
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    """Lowest level written."""
+    format: Literal["auto", "json", "console"] = "auto"
+    """auto: readable on a terminal, JSON lines otherwise."""
+    file: str = ""
+    """Also append JSON lines to this file (empty: no file sink)."""
+
+
+class MetricsConfig(Section):
+    prometheus_port: int = Field(0, ge=0, le=65535)
+    """Serve Prometheus `/metrics` on this port (0: off). `rlbus up` gives the broker this port, the trainer the
+    next one and explorer i port + 2 + i."""
+    prometheus_host: str = "127.0.0.1"
+    """Address the `/metrics` server binds (0.0.0.0 for a Prometheus on another host)."""
+    tensorboard: bool = True
+    """TensorBoard scalars of the trainer's steps and the explorers' evaluations, in RUN_DIR/tensorboard/."""
+    wandb_project: str = ""
+    """Also log the same scalars to this Weights & Biases project (needs `pip install wandb`; empty: off)."""
+
+
+class LaunchConfig(Section):
+    explorers: int = Field(1, ge=0)
+    """Explorer processes `rlbus up` starts."""
+    broker_cpus: str = ""
+    """Cores the broker is pinned to, e.g. "0" or "0-1" (empty: not pinned)."""
+    trainer_cpus: str = ""
+    """Cores the trainer is pinned to."""
+    explorer_cpus: list[str] = []
+    """Cores per explorer, in order (explorer i gets entry i; missing entries: not pinned)."""
+    on_crash: Literal["stop", "restart"] = "stop"
+    """When a component exits with an error: stop the run, or start it again."""
+    max_restarts: int = Field(3, ge=0)
+    """Restarts per component before the run is stopped anyway."""
+    status_interval_s: float = Field(5.0, gt=0)
+    """How often `rlbus up` prints a progress line."""
+    start_together: bool = True
+    """The trainer's first step waits for all `explorers` to join (trainer.wait_for_explorers), so that a slower
+    engine start does not leave an explorer out of a short run."""
 
 
 class RunConfig(Section):

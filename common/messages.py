@@ -36,6 +36,7 @@ class Capabilities(Struct, forbid_unknown_fields=False):
     services: Names | UnsetType = UNSET
     sync_methods: Names | UnsetType = UNSET
     broadcast_backends: Names | UnsetType = UNSET
+    broadcast_workers: Int | UnsetType = UNSET
 
 
 class Rollout(Struct, forbid_unknown_fields=False):
@@ -111,6 +112,7 @@ class Broadcast(Struct, forbid_unknown_fields=False):
     version: Int
     digest: str
     timeout_s: Float
+    workers: dict[Id, Int] | UnsetType = UNSET
 
 
 class Publish(Header):

@@ -244,6 +244,9 @@ class ExplorerConfig(Section):
     """A fetch that gets no reply from the weight server for this long fails (and is tried again later)."""
     memory_fraction: float = Field(0.3, gt=0, le=1)
     """vLLM gpu_memory_utilization; on CPU the share of host memory it reserves (0.3 works, the default 0.9 does not)."""
+    tensor_parallel: int = Field(1, ge=1)
+    """vLLM tensor_parallel_size: the engine's workers (one GPU each) that split every layer. A weight broadcast
+    reaches each worker, as a rank of its own."""
     streaming: bool = False
     """Keep the engine full: lease tasks as slots free up, PUT each group as soon as its last sample ends, and
     (sync_style async) swap new weights in between two engine steps with the requests in flight kept. Off: a
@@ -289,7 +292,14 @@ class TrainerConfig(Section):
     keep_checkpoints: int = Field(2, ge=1)
     """Training checkpoints kept on disk."""
     device: str = "cpu"
-    """Torch device (cpu, cuda, cuda:1, ...)."""
+    """Torch device (cpu, cuda, cuda:1, ...). With world_size > 1: cpu or cuda (each rank takes the GPU of its
+    LOCAL_RANK)."""
+    world_size: int = Field(1, ge=1)
+    """Ranks of the trainer (FSDP2: weights, gradients and optimizer states sharded across them). `rlbus trainer`
+    starts them on this host; on several hosts start it with torchrun (README, "Training on several GPUs")."""
+    collective_timeout_s: float = Field(1800.0, gt=0)
+    """With world_size > 1: how long a rank waits in one collective (a rank that died is noticed sooner, by
+    `rlbus trainer`, which stops the others at once)."""
     threads: int = Field(0, ge=0)
     """CPU threads for torch (0: torch's default)."""
     deterministic: bool = True
@@ -312,6 +322,14 @@ class TrainerConfig(Section):
     `launch.explorers` (see `launch.start_together`)."""
     wait_for_explorers_s: float = Field(600.0, gt=0)
     """How long that wait lasts at most; then training starts with the explorers there are (logged)."""
+
+    @model_validator(mode="after")
+    def _ranks(self) -> "TrainerConfig":
+        if self.world_size > 1 and ":" in self.device:
+            raise ValueError(f"trainer.device={self.device} names one GPU, but trainer.world_size={self.world_size} "
+                             "ranks need one each: set trainer.device=cuda (each rank takes the GPU of its "
+                             "LOCAL_RANK; choose GPUs with CUDA_VISIBLE_DEVICES)")
+        return self
 
 
 class RewardTerm(Section):
@@ -352,44 +370,3 @@ class RewardConfig(Section):
     """Code sandbox: processes (counted for the sandbox user)."""
     sandbox_python: str = ""
     """Code sandbox: interpreter (default: this one, or the system python3 if the sandbox user cannot run it)."""
-
-
-class LoggingConfig(Section):
-    level: Literal["debug", "info", "warning", "error"] = "info"
-    """Lowest level written."""
-    format: Literal["auto", "json", "console"] = "auto"
-    """auto: readable on a terminal, JSON lines otherwise."""
-    file: str = ""
-    """Also append JSON lines to this file (empty: no file sink)."""
-
-
-class MetricsConfig(Section):
-    prometheus_port: int = Field(0, ge=0, le=65535)
-    """Serve Prometheus `/metrics` on this port (0: off). `rlbus up` gives the broker this port, the trainer the
-    next one and explorer i port + 2 + i."""
-    prometheus_host: str = "127.0.0.1"
-    """Address the `/metrics` server binds (0.0.0.0 for a Prometheus on another host)."""
-    tensorboard: bool = True
-    """TensorBoard scalars of the trainer's steps and the explorers' evaluations, in RUN_DIR/tensorboard/."""
-    wandb_project: str = ""
-    """Also log the same scalars to this Weights & Biases project (needs `pip install wandb`; empty: off)."""
-
-
-class LaunchConfig(Section):
-    explorers: int = Field(1, ge=0)
-    """Explorer processes `rlbus up` starts."""
-    broker_cpus: str = ""
-    """Cores the broker is pinned to, e.g. "0" or "0-1" (empty: not pinned)."""
-    trainer_cpus: str = ""
-    """Cores the trainer is pinned to."""
-    explorer_cpus: list[str] = []
-    """Cores per explorer, in order (explorer i gets entry i; missing entries: not pinned)."""
-    on_crash: Literal["stop", "restart"] = "stop"
-    """When a component exits with an error: stop the run, or start it again."""
-    max_restarts: int = Field(3, ge=0)
-    """Restarts per component before the run is stopped anyway."""
-    status_interval_s: float = Field(5.0, gt=0)
-    """How often `rlbus up` prints a progress line."""
-    start_together: bool = True
-    """The trainer's first step waits for all `explorers` to join (trainer.wait_for_explorers), so that a slower
-    engine start does not leave an explorer out of a short run."""

@@ -105,7 +105,8 @@ class Explorer:
         if reason:
             log.warning("broadcast_unavailable", backend=backend, reason=reason)
             return {"sync_methods": ["checkpoint"]}
-        return {"sync_methods": ["checkpoint", "nccl"], "broadcast_backends": [backend]}
+        return {"sync_methods": ["checkpoint", "nccl"], "broadcast_backends": [backend],
+                "broadcast_workers": self.cfg.explorer.tensor_parallel}  # each receives: a rank each
 
     def stop(self) -> None:
         self.stop_event.set()
@@ -354,7 +355,8 @@ def run(cfg: RunConfig) -> None:
 
     engine = Engine(resolve_model(cfg.model.path, cfg.model.cache_dir), seed=cfg.rollout.seed,
                     memory_fraction=cfg.explorer.memory_fraction, dtype=cfg.rollout.dtype,
-                    core=cfg.explorer.engine_core, swap_kv=cfg.explorer.swap_kv)
+                    core=cfg.explorer.engine_core, swap_kv=cfg.explorer.swap_kv,
+                    tensor_parallel=cfg.explorer.tensor_parallel)
     with engine:
         engine.warm_up()
         explorer = Explorer(cfg, engine)

@@ -100,12 +100,17 @@ def explorer(config: ConfigArg = None, set: SetOpt = None,
 def trainer(config: ConfigArg = None, set: SetOpt = None,
             broker: Annotated[Optional[str], typer.Option(help="Broker address, e.g. tcp://HOST:5555.")] = None,
             ) -> None:
-    """Run the trainer: batches by policy version, policy-gradient steps, weights to the explorers."""
+    """Run the trainer: batches by policy version, policy-gradient steps, weights to the explorers. With
+    trainer.world_size N it starts N ranks on this host (FSDP2) and watches them; torchrun starts them on several."""
     sets = list(set or [])
     if broker:
         sets.append(f"broker.address={broker}")
     cfg = _load(config, sets)
     _logging(cfg, "trainer", peer=cfg.trainer.name)
+    from rlbus.trainer.ranks import rank_env, supervise
+
+    if cfg.trainer.world_size > 1 and rank_env() is None:  # started by hand: this process starts the ranks
+        raise typer.Exit(supervise(cfg))
     from rlbus.trainer.main import run
 
     run(cfg)

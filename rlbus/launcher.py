@@ -32,6 +32,7 @@ from pathlib import Path
 import structlog
 
 from rlbus.common.config import RunConfig, dump_config, parse_cpus
+from rlbus.common.processes import terminate_with
 from rlbus.logview import events, last_event
 from rlbus.progress import RunView, wanted
 
@@ -91,7 +92,7 @@ class Launcher:
         launcher = os.getpid()
 
         def prepare() -> None:
-            _terminate_with(launcher)
+            terminate_with(launcher)
             if cpus:
                 os.sched_setaffinity(0, cpus)
 
@@ -242,19 +243,6 @@ class Launcher:
             self.exit_code = 1
             return True
         return False
-
-
-def _terminate_with(parent: int) -> None:
-    """In a child, before exec: get SIGTERM when `parent` dies, even by SIGKILL (Linux PR_SET_PDEATHSIG), so a
-    killed `rlbus up` leaves no component running."""
-    import ctypes
-
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:  # it died before the call
-        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _wait_group_gone(pgid: int, timeout: float) -> None:

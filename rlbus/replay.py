@@ -94,12 +94,16 @@ def replay(run_dir: str | Path, buffer_dir: str | Path | None = None, out_dir: s
     for key, here in (("torch", torch.__version__), ("machine", platform.machine())):
         if record.get(key) != here:
             log.warning("replay_environment_differs", what=key, run=record.get(key), here=here)
+    if cfg.trainer.world_size > 1:
+        log.warning("replay_world_size_differs", run=cfg.trainer.world_size, here=1,
+                    note="the run summed its gradients across ranks in another order than one process does: expect "
+                         "differences at float rounding, not equal bits")
     out = Path(out_dir) if out_dir else run_dir / "replay"
     buffer = Path(buffer_dir) if buffer_dir else Path(cfg.buffer.dir or run_dir / "buffer")
     t = cfg.trainer
     cfg = cfg.model_copy(update={
         "run": cfg.run.model_copy(update={"dir": str(out)}),
-        "trainer": t.model_copy(update={"threads": record["threads"], "checkpoint_every": 0}),
+        "trainer": t.model_copy(update={"threads": record["threads"], "checkpoint_every": 0, "world_size": 1}),
     })
     run_versions = dict(version_dirs(run_dir / "weights"))
     run_checkpoints = {int(p.name.split("_")[1]): p for p in (run_dir / "checkpoints").glob("step_*")

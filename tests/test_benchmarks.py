@@ -2,7 +2,8 @@
 
 A benchmark that crashes at start or hangs at exit would otherwise only be
 found when someone needs its figure. Each runs as a subprocess in its own
-process group, which the test kills if it overruns.
+process group, which the test kills if it overruns. They run two at a time
+(each test, while it waits for its own, starts the next as one ends).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import os
 import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -20,7 +23,7 @@ from tests.conftest import REPO
 BENCHMARKS = {
     "broker_throughput": [],
     "reward": [],
-    "trainer": ["--model", "{tiny}"],
+    "trainer": ["--model", "{tiny}", "--world-size", "2"],
     "explorer": ["--model", "{tiny}"],
     "weight_sync": ["--model", "{tiny}"],
     "modes": ["--model", "{tiny}"],
@@ -29,21 +32,88 @@ BENCHMARKS = {
 }
 
 
+SMOKE_TIMEOUT_S = 400
+AT_ONCE = 2  # smoke runs side by side: much of each is one-core work (imports, engine start-up)
+
+
+class Smoke:
+    """One benchmark's smoke run, in its own process group (killed whole if it overruns or the test ends).
+
+    Its output goes to files, not pipes, so that nothing but the test's own
+    thread is needed to run it: every process is started from that thread.
+    """
+
+    def __init__(self, name: str, tiny: str, out_dir: Path):
+        self.name = name
+        self.args = [sys.executable, f"benchmarks/{name}.py", "--smoke",
+                     *(a.format(tiny=tiny) for a in BENCHMARKS[name])]
+        self.out = out_dir / f"{name}.out"
+        self.err = out_dir / f"{name}.err"
+        self.proc: subprocess.Popen | None = None
+        self.started = 0.0
+
+    def start(self) -> None:
+        with open(self.out, "wb") as out, open(self.err, "wb") as err:
+            self.proc = subprocess.Popen(self.args, cwd=REPO, stdout=out, stderr=err, start_new_session=True)
+        self.started = time.monotonic()
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def done(self) -> bool:
+        return self.proc is not None and self.proc.poll() is not None
+
+    def result(self) -> tuple[int, str, str]:
+        return self.proc.returncode, self.out.read_text(), self.err.read_text()
+
+    def kill(self) -> None:
+        if self.running:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+class Smokes:
+    """Every benchmark's smoke run, AT_ONCE at a time, moved on by whichever test is waiting."""
+
+    def __init__(self, tiny: str, out_dir: Path):
+        self.runs = {name: Smoke(name, tiny, out_dir) for name in sorted(BENCHMARKS)}
+        self.queue = list(self.runs.values())
+
+    def pump(self) -> None:
+        for run in self.runs.values():
+            if run.running and time.monotonic() - run.started > SMOKE_TIMEOUT_S:
+                run.kill()
+        while self.queue and sum(r.running for r in self.runs.values()) < AT_ONCE:
+            self.queue.pop(0).start()
+
+    def wait(self, name: str) -> tuple[int, str, str]:
+        run = self.runs[name]
+        while not run.done:
+            self.pump()
+            time.sleep(0.1)
+        self.pump()  # the next run starts before this test's assertions
+        return run.result()
+
+    def kill(self) -> None:
+        for run in self.runs.values():
+            run.kill()
+
+
+@pytest.fixture(scope="module")
+def smokes(tiny_model, tmp_path_factory):
+    runs = Smokes(tiny_model, tmp_path_factory.mktemp("smokes"))
+    yield runs
+    runs.kill()
+
+
 @pytest.mark.slow
+@pytest.mark.timeout(SMOKE_TIMEOUT_S + 60)
 @pytest.mark.parametrize("name", sorted(BENCHMARKS))
-def test_benchmark_smoke_mode_runs_and_exits(name, tiny_model):
-    args = [a.format(tiny=tiny_model) for a in BENCHMARKS[name]]
-    proc = subprocess.Popen([sys.executable, f"benchmarks/{name}.py", "--smoke", *args], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=400)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        raise AssertionError(f"{name} did not exit within 400 s: {err[-3000:]}") from None
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, err[-3000:]
+def test_benchmark_smoke_mode_runs_and_exits(name, smokes):
+    code, out, err = smokes.wait(name)
+    assert code != -signal.SIGKILL, f"{name} did not exit within {SMOKE_TIMEOUT_S} s: {err[-3000:]}"
+    assert code == 0, err[-3000:]
     figures = json.loads(out.strip().splitlines()[-1])
     assert isinstance(figures, dict) and figures

@@ -6,6 +6,7 @@ that what they ask each container to run would parse and load.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -18,10 +19,16 @@ from rlbus.common.config import load_config
 REPO = Path(__file__).resolve().parent.parent
 
 
-def services(*files):
+def interpolate(text: str, environ: dict[str, str]) -> str:
+    """Compose's `${NAME:-default}`."""
+    return re.sub(r"\$\{(\w+):-([^}]*)\}", lambda m: environ.get(m[1], m[2]), text)
+
+
+def services(*files, environ: dict[str, str] | None = None):
     merged: dict = {}
     for name in files:
-        for svc, spec in yaml.safe_load((REPO / name).read_text())["services"].items():
+        text = interpolate((REPO / name).read_text(), environ or {})
+        for svc, spec in yaml.safe_load(text)["services"].items():
             base = merged.setdefault(svc, {})
             base["environment"] = {**base.get("environment", {}), **spec.get("environment", {})}
             base.update({k: v for k, v in spec.items() if k != "environment"})
@@ -48,6 +55,15 @@ def test_every_service_command_and_environment_is_accepted(files):
             assert cfg.broker.host == "0.0.0.0" and cfg.broker.port == 5555
         if "gpu" in files[-1] and name in ("trainer", "explorer"):
             assert spec["deploy"]["resources"]["reservations"]["devices"][0]["driver"] == "nvidia"
+
+
+def test_the_gpu_override_runs_the_trainer_on_as_many_ranks_as_it_is_given_gpus():
+    for gpus in ("1", "4"):
+        spec = services("docker-compose.yml", "docker-compose.gpu.yml", environ={"TRAINER_GPUS": gpus})["trainer"]
+        env = {k: str(v) for k, v in spec["environment"].items()}
+        cfg = load_config(REPO / "configs" / "arith.yaml", [], environ=env)
+        assert cfg.trainer.world_size == int(gpus) and cfg.trainer.device == "cuda"
+        assert str(spec["deploy"]["resources"]["reservations"]["devices"][0]["count"]) == gpus
 
 
 def test_explorers_scale_without_fixed_names():

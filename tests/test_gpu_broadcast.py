@@ -80,35 +80,47 @@ def test_nccl_broadcast_between_two_gpus_checks_the_digest():
     assert kv.check(["done/1/1"])
 
 
-@needs_two_gpus
-def test_cuda_vllm_member_generates_with_broadcast_weights(broker_factory, clients, tmp_path):
-    """The trainer's publisher on cuda:1 broadcasts into a CUDA vLLM engine on cuda:0 (the explorer)."""
+def _member_engine(broker_factory, clients, tmp_path, publisher_device: str, name: str, tensor_parallel: int = 1):
+    """A CUDA vLLM engine (on the first GPUs) as an in-process explorer `name`, a broker, and the trainer's
+    broadcast publisher on `publisher_device`: (base model, engine, trainer client, publisher, explorer, thread)."""
     import threading
-    import time
 
     import torch
-    from transformers import AutoModelForCausalLM
 
     from rlbus.common.config import load_config
     from rlbus.explorer.engine import Engine
     from rlbus.explorer.main import Explorer
-    from rlbus.weights.models import make_tiny, resolve_model
-    from tests.explorer.test_explorer import explorer_config
     from rlbus.weights.broadcaster import BroadcastSender
     from rlbus.weights.checkpoint import CheckpointSender
+    from rlbus.weights.models import make_tiny, resolve_model
+    from tests.explorer.test_explorer import explorer_config
 
     base = str(make_tiny(tmp_path / "tiny", resolve_model("smollm2-135m")))
-    engine = Engine(base, dtype="bfloat16", memory_fraction=0.3)
+    engine = Engine(base, dtype="bfloat16", memory_fraction=0.3, tensor_parallel=tensor_parallel)
     b = broker_factory("sync.sync_style=async", "sync.max_staleness=100", "rollout.repeat=4", "data.batch_tasks=2")
     trainer = clients(b, "trainer", "tr")
     cfg = load_config(None, ["sync.sync_method=nccl", "sync.broadcast_backend=nccl", "sync.sync_timeout_s=60"],
                       environ={})
     pub = BroadcastSender(cfg, CheckpointSender(tmp_path / "weights", base, dtype=torch.bfloat16),
-                             dtype=torch.bfloat16, device="cuda:1")
+                          dtype=torch.bfloat16, device=publisher_device)
     pub.attach(trainer)
-    ex = Explorer(explorer_config(b, "sync.sync_style=async", "sync.broadcast_backend=nccl"), engine, name="gpu")
+    ex = Explorer(explorer_config(b, "sync.sync_style=async", "sync.broadcast_backend=nccl",
+                                  f"explorer.tensor_parallel={tensor_parallel}"), engine, name=name)
     thread = threading.Thread(target=ex.run, daemon=True)
     thread.start()
+    return base, engine, trainer, pub, ex, thread
+
+
+@needs_two_gpus
+def test_cuda_vllm_member_generates_with_broadcast_weights(broker_factory, clients, tmp_path):
+    """The trainer's publisher on cuda:1 broadcasts into a CUDA vLLM engine on cuda:0 (the explorer)."""
+    import time
+
+    from transformers import AutoModelForCausalLM
+
+    from rlbus.weights.models import make_tiny
+
+    base, engine, trainer, pub, ex, thread = _member_engine(broker_factory, clients, tmp_path, "cuda:1", "gpu")
     try:
         deadline = time.monotonic() + 120
         while "gpu" not in {p["name"] for p in trainer.request("STATUS").header["peers"]}:
@@ -121,6 +133,47 @@ def test_cuda_vllm_member_generates_with_broadcast_weights(broker_factory, clien
             assert time.monotonic() < deadline
             time.sleep(0.1)
         assert engine.last_load["method"] == "nccl"
+    finally:
+        ex.stop()
+        thread.join(60)
+        pub.close()
+
+
+@pytest.mark.skipif(_gpus() < 3, reason="needs three CUDA GPUs (a tensor-parallel engine on two, the trainer on a "
+                                        "third) and cupy with NCCL")
+def test_tensor_parallel_member_gets_the_broadcast_on_every_worker(broker_factory, clients, tmp_path):
+    """An explorer whose CUDA vLLM engine splits the model over cuda:0 and cuda:1 (tensor parallel 2) joins the
+    broadcast with a rank per worker; the trainer's publisher is on cuda:2. Generation then follows the new
+    weights."""
+    import time
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rlbus.weights.models import make_tiny
+
+    base, engine, trainer, pub, ex, thread = _member_engine(broker_factory, clients, tmp_path, "cuda:2", "tp",
+                                                            tensor_parallel=2)
+    try:
+        deadline = time.monotonic() + 120
+        while "tp" not in {p["name"] for p in trainer.request("STATUS").header["peers"]}:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        model = AutoModelForCausalLM.from_pretrained(make_tiny(tmp_path / "v1", base, seed=1),
+                                                     dtype=torch.bfloat16).to("cuda:2")
+        state = pub.publish(pub.snapshot(model), 1, 0)
+        assert pub.members == (("tp", 2),) and not pub.suspects
+        trainer.request("PUBLISH", state)
+        deadline = time.monotonic() + 60
+        while engine.version < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert engine.last_load["method"] == "nccl"
+        prompt = engine.chat_prompt([{"role": "user", "content": "Say something."}])
+        got = engine.generate([prompt], n=1, temperature=0.0, max_tokens=6)[0][0].token_ids
+        want = model.generate(torch.tensor([prompt], device="cuda:2"), max_new_tokens=6,
+                              do_sample=False)[0, len(prompt):].tolist()
+        assert got[0] == want[0], (got, want)  # bfloat16 on two GPUs against one: the first token, clear of ties
     finally:
         ex.stop()
         thread.join(60)

@@ -13,7 +13,7 @@ from rlbus.logview import events as log_events
 from tests.conftest import REPO, free_port
 
 
-def test_up_runs_broker_trainer_and_explorer_to_the_end(tiny_model, tmp_path):
+def test_up_runs_broker_a_two_rank_trainer_and_explorer_to_the_end(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
     sets = [f"run.dir={run_dir}", f"model.path={tiny_model}", f"broker.port={free_port()}",
             f"broker.pub_port={free_port()}", "broker.heartbeat_interval_s=0.5", "rollout.repeat=4",
@@ -22,7 +22,7 @@ def test_up_runs_broker_trainer_and_explorer_to_the_end(tiny_model, tmp_path):
             "trainer.fetch_wait_s=1", "rollout.max_tokens=8", "rollout.dtype=float32",
             "explorer.memory_fraction=0.1", "launch.explorers=1", "launch.status_interval_s=1",
             "logging.format=json", "algorithm.skip_zero_spread=false", "explorer.eval_every=2",
-            "data.eval_size=6"]
+            "data.eval_size=6", "trainer.world_size=2"]
     args = [sys.executable, "-m", "rlbus.cli", "up"] + [x for s in sets for x in ("--set", s)]
     done = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=600)
     events = [json.loads(line) for line in done.stderr.splitlines() if line.startswith("{")]
@@ -42,6 +42,10 @@ def test_up_runs_broker_trainer_and_explorer_to_the_end(tiny_model, tmp_path):
         assert (run_dir / "logs" / f"{name}.jsonl").stat().st_size > 0
     steps = log_events(run_dir / "logs" / "trainer.jsonl", "train_step")
     assert [s["step"] for s in steps] == [0, 1, 2]
+    ranks = log_events(run_dir / "logs" / "trainer.jsonl", "trainer_ranks_started")  # FSDP2 on two ranks
+    assert len(ranks) == 1 and len(ranks[0]["pids"]) == 2
+    assert all(not os.path.exists(f"/proc/{pid}") for pid in ranks[0]["pids"])
+    assert (run_dir / "checkpoints" / "step_00000001" / "meta.pt").exists(), "a sharded checkpoint"
     assert all(max(map(int, s["staleness"])) <= 1 for s in steps if s["staleness"]), "O + I - 1 = 1"
     assert (run_dir / "weights" / "v3" / "model.safetensors").exists()
     assert (run_dir / "checkpoints").exists()

@@ -3,7 +3,11 @@ record `rlbus replay` reads (`trainer.json`).
 
 Saved as `checkpoints/step_XXXXXXXX/` through a temporary directory and an
 atomic rename; the newest complete one is what a restarted trainer resumes
-from. The trainer COMMITs a step to the broker only once a checkpoint covers
+from. A single-process trainer writes `state.pt`; a sharded one (FSDP2,
+trainer/distributed.py) writes `shards/` with torch.distributed.checkpoint,
+each rank its own shards, and `meta.pt` (scheduler, rank 0's RNG, step,
+version). Either kind resumes at any world size: DCP reshards on load, and
+a `state.pt` is read whole and sharded. The trainer COMMITs a step to the broker only once a checkpoint covers
 it, so the broker re-delivers exactly the batches a resumed trainer has not
 trained yet.
 """
@@ -33,20 +37,30 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save(directory: str | Path, step: int, version: int, model, optimizer, scheduler, keep: int = 2) -> Path:
-    root = Path(directory)
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step_{step:08d}"
-    tmp = root / f".step_{step:08d}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    tmp = _begin(Path(directory), step)
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                 "scheduler": scheduler.state_dict(), "rng": rng_state(), "step": step, "version": version},
                tmp / "state.pt")
-    with open(tmp / "state.pt", "rb") as f:
+    return _finish(tmp, "state.pt", keep)
+
+
+def _begin(root: Path, step: int) -> Path:
+    """A fresh temporary directory for the checkpoint of `step`."""
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".step_{step:08d}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    return tmp
+
+
+def _finish(tmp: Path, written: str, keep: int) -> Path:
+    """Make `tmp` (its file `written` last) durable and rename it into place as `step_N/`; keep the newest `keep`."""
+    root, final = tmp.parent, tmp.parent / tmp.name.removeprefix(".").removesuffix(".tmp")
+    with open(tmp / written, "rb") as f:
         os.fsync(f.fileno())
     _fsync_dir(tmp)
     if final.exists():  # a step saved again (a resumed run): set the old copy aside, never delete it first
-        stale = root / f".step_{step:08d}.old"
+        stale = root / f".{final.name}.old"
         shutil.rmtree(stale, ignore_errors=True)
         os.rename(final, stale)
         _fsync_dir(root)
@@ -67,18 +81,78 @@ def _fsync_dir(path: Path) -> None:
 
 
 def latest(directory: str | Path) -> Path | None:
-    found = sorted(Path(directory).glob("step_*/state.pt"))
-    return found[-1].parent if found else None
+    found = sorted(p.parent for p in Path(directory).glob("step_*/*.pt") if p.name in ("state.pt", META))
+    return found[-1] if found else None
 
 
-def load(path: str | Path, model, optimizer, scheduler) -> tuple[int, int]:
-    """Restore everything; returns (step, version) of the checkpoint."""
-    state = torch.load(Path(path) / "state.pt", map_location="cpu", weights_only=False)
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
+def load(path: str | Path, model, optimizer, scheduler, sharded: bool = False) -> tuple[int, int]:
+    """Restore everything into `model` (sharded or not, whichever kind the checkpoint is); returns (step,
+    version) of the checkpoint."""
+    path = Path(path)
+    if (path / META).exists():
+        return _load_shards(path, model, optimizer, scheduler)
+    state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
+    if sharded:
+        _load_whole_into_shards(state, model, optimizer)
+    else:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     set_rng_state(state["rng"])
     return state["step"], state["version"]
+
+
+# ---- sharded (FSDP2) --------------------------------------------------------
+
+META = "meta.pt"  # beside shards/ in a sharded checkpoint
+
+
+def save_sharded(directory: str | Path, step: int, version: int, model, optimizer, scheduler, world,
+                 keep: int = 2) -> Path:
+    """A checkpoint of a sharded trainer; collective (every rank calls it), rank 0 renames it into place."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    root = Path(directory)
+    tmp = _begin(root, step) if world.main else root / f".step_{step:08d}.tmp"
+    dist.barrier()
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=tmp / "shards")  # fsyncs its files
+    final = root / f"step_{step:08d}"
+    if world.main:
+        torch.save({"scheduler": scheduler.state_dict(), "rng": rng_state(), "step": step, "version": version,
+                    "world_size": world.size}, tmp / META)
+        _finish(tmp, META, keep)
+    dist.barrier()  # every rank sees the checkpoint in place before rank 0 COMMITs its steps
+    return final
+
+
+def _load_shards(path: Path, model, optimizer, scheduler) -> tuple[int, int]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optim_state}
+    dcp.load(state, checkpoint_id=path / "shards")  # resharded to this world's layout, whatever wrote it
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    meta = torch.load(path / META, map_location="cpu", weights_only=False)
+    scheduler.load_state_dict(meta["scheduler"])
+    set_rng_state(meta["rng"])
+    return meta["step"], meta["version"]
+
+
+def _load_whole_into_shards(state: dict, model, optimizer) -> None:
+    """A single-process checkpoint into a sharded model: the optimizer's states, keyed there by parameter index,
+    are re-keyed by name (the order of `model.parameters()`, which both optimizers were built over)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    names = [n for n, _ in model.named_parameters()]
+    saved = state["optimizer"]
+    optim = {"state": {names[i]: v for i, v in saved["state"].items()},
+             "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in saved["param_groups"]]}
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=optim,
+                   options=StateDictOptions(full_state_dict=True))
 
 
 RECORD = "trainer.json"  # in the run directory

@@ -20,13 +20,16 @@ One `train_step` log line per step carries the canonical metrics.
 
 For `rlbus replay` the trainer records itself in `RUN_DIR/trainer.json` and,
 with `trainer.deterministic`, trains the same batches to the same weights.
+
+With `trainer.world_size` > 1 the same loop runs sharded on every rank
+(trainer/distributed.py): rank 0 does the above and hands the others each
+step's plan; they train their share and join the collective parts.
 """
 
 from __future__ import annotations
 
 import contextvars
 import math
-import os
 import signal
 import time
 from collections import Counter
@@ -42,55 +45,25 @@ from rlbus.common.client import BrokerClient, BrokerError, BrokerUnreachable
 from rlbus.common.config import RunConfig
 from rlbus.common import metrics as metrics_sink, telemetry
 from rlbus.common.logging import bind, significant
-from rlbus.trainer import checkpoint
-from rlbus.trainer.algorithms import LossConfig, lr_factor, policy_loss
-from rlbus.trainer.batch import Batch, build_batch, decode_batch
-from rlbus.trainer.model import DTYPES, load_model, seed_everything, token_logprobs
-from rlbus.trainer.packing import packed_token_logprobs, pack, packs
+from rlbus.trainer import checkpoint, distributed
+from rlbus.trainer.distributed import Plan, World
+from rlbus.trainer.learner import Learner
 from rlbus.weights.sync import Sender, make_sender
 
 log = structlog.get_logger()
 
 
-class Trainer:
-    def __init__(self, cfg: RunConfig, model_path: str, publisher: Sender | None = None):
-        from transformers import AutoTokenizer
+class Trainer(Learner):
+    """The trainer process: a Learner fed by the broker, publishing its weights."""
 
-        self.cfg = cfg
-        t, a = cfg.trainer, cfg.algorithm
-        if t.threads:
-            torch.set_num_threads(t.threads)
-        if t.deterministic:
-            # cuBLAS reads this when CUDA starts; without it deterministic algorithms refuse its GEMMs
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-            torch.use_deterministic_algorithms(True, warn_only=True)
-        self.model_path = model_path
-        seed_everything(cfg.rollout.seed)
-        self.model = load_model(model_path, cfg)
-        self.reference = load_model(model_path, cfg, trainable=False) if a.kl_coef > 0 else None
-        tok = AutoTokenizer.from_pretrained(model_path)
-        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
-        self.vocab = self.model.config.vocab_size
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, partial(lr_factor, t))
-        self.shared_prompt = t.shared_prompt and packs(self.model)
-        if t.shared_prompt and not self.shared_prompt:
-            log.warning("shared_prompt_unavailable", attention=self.model.config._attn_implementation,
-                        note="this attention takes no custom mask: one row per sample")
-        if self.shared_prompt and torch.device(t.device).type == "cpu":
-            # On CPUs SDPA's kernel gains nothing from a custom mask; plain attention is faster there
-            # (packed default-task step, SmolLM2-135M, 2 cores: 3.6 s against 4.65 s, median of 5).
-            for model in (self.model, self.reference):
-                if model is not None:
-                    model.set_attn_implementation("eager")
-        self.loss_cfg = LossConfig(a.clip_low, a.clip_high, a.dual_clip, a.is_mode, a.is_cap, a.is_low, a.is_high,
-                                   a.kl_coef, a.kl_kind, a.aggregation)
-        run_dir = Path(cfg.run.dir)
-        self.ckpt_dir = run_dir / "checkpoints"
-        self.publisher = publisher or make_sender(cfg, run_dir / "weights", model_path, device=t.device)
-        self.step = 0
-        self.version = 0
-        self.temperature = cfg.rollout.temperature or 1.0
+    def __init__(self, cfg: RunConfig, model_path: str, publisher: Sender | None = None, world: World | None = None):
+        super().__init__(cfg, model_path, world)
+        self.publisher = None
+        if self.main:
+            weights = Path(cfg.run.dir) / "weights"
+            self.publisher = publisher or make_sender(cfg, weights, model_path, device=str(self.device))
+        # How a sharded trainer publishes: its shards copied, then gathered on every rank's publishing thread.
+        self.gathered = distributed.Gathered(self.policy, world, getattr(torch, cfg.rollout.dtype)) if world else None
         self._stop = False
         self.client: BrokerClient | None = None
         self.broker_version = 0  # the version the broker announced when this trainer joined
@@ -102,16 +75,6 @@ class Trainer:
         self._stop = True
         if self.client is not None:
             self.client.stopping()  # a broker that is gone too is not waited for
-
-    # ---- resume -----------------------------------------------------------
-
-    def resume(self) -> None:
-        path = checkpoint.latest(self.ckpt_dir)
-        if path is None:
-            return
-        step, version = checkpoint.load(path, self.model, self.optimizer, self.scheduler)
-        self.step, self.version = step + 1, version
-        log.info("trainer_resumed", checkpoint=str(path), step=self.step, policy_version=version)
 
     # ---- one step ---------------------------------------------------------
 
@@ -128,6 +91,7 @@ class Trainer:
             reply = self._request(P.FETCH, header, timeout=c.trainer.fetch_wait_s + c.trainer.broker_timeout_s)
             if reply.command == P.BATCH:
                 return reply, time.monotonic() - started
+            self._tell(Plan("wait"))
             waited = time.monotonic() - started
             if c.sync.sync_style == "async" and header["skip_zero_spread"] and waited > a.informative_wait_s:
                 header.update(min_groups=1, skip_zero_spread=False)
@@ -137,86 +101,28 @@ class Trainer:
                                  "groups (the reward may have saturated)")
         return None, time.monotonic() - started
 
-    def _autocast(self):
-        """Mixed precision for the forward pass (weights and optimizer stay in `model.dtype`)."""
-        t = self.cfg.trainer
-        kind = torch.device(t.device).type
-        return torch.autocast(kind, dtype=DTYPES.get(t.autocast, torch.bfloat16), enabled=t.autocast != "off")
-
-    def train_on(self, batch: Batch, skipped: int = 0) -> dict[str, float]:
-        """One optimizer step over the batch, in micro-batches; returns metrics. `skipped`: samples of
-        all-equal groups the broker left out of the batch (for `algorithm.loss_denominator: batch`)."""
-        self.optimizer.zero_grad(set_to_none=True)
-        mb = self.cfg.trainer.micro_batch
-        by_tokens = self.cfg.algorithm.aggregation == "token-mean"
-        total = batch.tokens if by_tokens else batch.size
-        if self.cfg.algorithm.loss_denominator == "batch":
-            total *= (batch.fetched_samples + skipped) / batch.size  # the batch's samples, trained or not
-        sums: Counter[str] = Counter()
-        entropy_sum = 0.0
-        forwarded = 0
-        for start in range(0, batch.size, mb):
-            sl = slice(start, start + mb)
-            ids, att = batch.input_ids[sl].to(self.cfg.trainer.device), batch.attention_mask[sl].to(self.cfg.trainer.device)
-            mask = batch.loss_mask[sl].to(ids.device)
-            if self.shared_prompt:
-                packed = pack(batch.input_ids[sl], batch.attention_mask[sl], batch.prompt_lens[sl])
-                forwarded += packed.tokens
-                logprobs = partial(packed_token_logprobs, packed=packed, input_ids=ids)
-            else:
-                forwarded += int(att.sum())
-                logprobs = partial(token_logprobs, input_ids=ids, attention_mask=att)
-            with self._autocast():
-                logp, entropy = logprobs(self.model, temperature=self.temperature, with_entropy=True, positions=mask)
-                ref = None
-                if self.reference is not None:
-                    with torch.no_grad():
-                        ref, _ = logprobs(self.reference, temperature=self.temperature, positions=mask)
-            # One update per batch: the proximal policy is the current one (detached).
-            loss, m = policy_loss(logp, logp.detach(), batch.behaviour_logprobs[sl].to(ids.device),
-                                  batch.advantages[sl].to(ids.device), mask, self.loss_cfg, ref)
-            share = (mask.sum().item() if by_tokens else mask.shape[0]) / max(1, total)
-            (loss * share).backward()
-            n_tok = mask.sum().item()
-            entropy_sum += float((entropy * mask).sum())
-            sums["loss"] += loss.item() * share
-            for k, v in m.items():
-                sums[k] += v * n_tok
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip)
-        self.optimizer.step()
-        self.scheduler.step()
-        n = max(1, batch.tokens)
-        out = {k: v / n for k, v in sums.items() if k != "loss"}
-        out.update(loss=sums["loss"], grad_norm=float(grad_norm), entropy=entropy_sum / n,
-                   lr=self.scheduler.get_last_lr()[0], forward_tokens=forwarded)
-        return out
-
-    def train_reply(self, reply: P.Message) -> tuple[Batch | None, dict[str, float]]:
-        """Decode, check and train on one BATCH (a live step's or a replayed one): the batch and its metrics."""
-        samples, rejected = decode_batch(reply, self.vocab, self.cfg.rollout.temperature or None)
-        batch = build_batch(samples, rejected, self.cfg.algorithm.advantage, self.cfg.algorithm.drops_zero_spread(),
-                            self.pad_id)
-        metrics: dict[str, float] = {}
-        if batch is not None and batch.size:
-            metrics = self.train_on(batch, skipped=reply.header.get("skipped", 0))
-        return batch, metrics
-
     def run_step(self) -> bool:
         """Fetch, train, publish and commit one step; False when stopped."""
         step_started = time.monotonic()
         reply, wait_s = self.fetch()
         if reply is None:
             return False
+        self.version = self.step + 1
+        published = self._publish_due()
+        every = self.cfg.trainer.checkpoint_every
+        saves = every > 0 and (self.step + 1) % every == 0
+        self._tell(Plan("train", self.step, published, saves, [bytes(f) for f in P.encode(
+            reply.command, reply.header, reply.payloads)]))
         compute_started = time.monotonic()
         batch, metrics = self.train_reply(reply)
         compute_s = time.monotonic() - compute_started
         publish_started = time.monotonic()
-        self.version = self.step + 1
-        published = False
-        if self.version % self.cfg.sync.sync_interval == 0:
+        if published:
             self._publish_async(self.version, self.step)
-            published = True
-        self._checkpoint_and_commit()
+        if saves:
+            self.save()
+        if every == 0 or saves:  # a step is committed once a checkpoint covers it
+            self._request(P.COMMIT, {"step": self.step})
         publish_s = time.monotonic() - publish_started
         total_s = time.monotonic() - step_started
         self._log_step(reply, batch, metrics, wait_s, compute_s, publish_s, total_s, published)
@@ -224,11 +130,14 @@ class Trainer:
         bind(step=self.step, policy_version=self.version)
         return True
 
-    def _request(self, command: str, header: dict, timeout: float | None = None) -> P.Message:
+    def _request(self, command: str, header: dict, timeout: float | None = None, training_thread: bool = True
+                 ) -> P.Message:
         """A request that outlasts a broker restart: past `timeout` it is logged and asked again.
 
         FETCH (a step has one batch), COMMIT and PUBLISH (the same state again)
-        are idempotent, so asking again never trains or publishes twice.
+        are idempotent, so asking again never trains or publishes twice. From
+        the training thread, a sharded trainer's other ranks hear that rank 0
+        is still waiting, so a long outage does not time their collective out.
         """
         timeout = timeout or self.cfg.trainer.broker_timeout_s
         while True:
@@ -238,23 +147,39 @@ class Trainer:
                 if self._stop:
                     raise
                 log.warning("broker_unreachable_waiting", command=command, waited_s=timeout)
+                if training_thread:
+                    self._tell(Plan("wait"))
 
-    def _publish_async(self, version: int, step: int) -> None:
-        """Snapshot the weights now; write, digest and PUBLISH them on the publishing thread, in order."""
-        self._check_publishes()
-        if version <= self.broker_version:
+    def _publish_due(self) -> bool:
+        if self.version % self.cfg.sync.sync_interval != 0:
+            return False
+        if self.version <= self.broker_version:
             # Resumed from a checkpoint older than what the broker already announced: explorers hold
             # weights of the steps this trainer lost, which are newer by number. Publishing resumes
             # with the first version above them (a PUBLISH below the announced one is a conflict).
-            log.info("publish_skipped", policy_version=version, announced_version=self.broker_version)
-            return
-        snapshot = self.publisher.snapshot(self.model)
+            log.info("publish_skipped", policy_version=self.version, announced_version=self.broker_version)
+            return False
+        return True
+
+    def _publish_async(self, version: int, step: int) -> None:
+        """Snapshot the weights now; write, digest and PUBLISH them on the publishing thread, in order.
+        Sharded, every rank calls this: each copies its shards now, and the publishing threads gather them."""
+        self._check_publishes()
+        if self.gathered is not None:
+            frozen = self.gathered.freeze()
+            if not self.main:
+                self._publishes.append(self._publish_pool.submit(frozen.drain))
+                return
+            take = partial(self.publisher.snapshot, frozen)  # gathers: on the publishing thread
+        else:
+            snapshot = self.publisher.snapshot(self.model)
+            take = lambda: snapshot  # noqa: E731
 
         def job() -> None:
             started = time.monotonic()
-            state = self.publisher.publish(snapshot, version, step)
+            state = self.publisher.publish(take(), version, step)
             try:
-                self._request(P.PUBLISH, state)
+                self._request(P.PUBLISH, state, training_thread=False)
             except BrokerError as exc:
                 if exc.code != "conflict":
                     raise
@@ -276,14 +201,29 @@ class Trainer:
                 still.append(future)
         self._publishes = still
 
-    def _checkpoint_and_commit(self) -> None:
-        every = self.cfg.trainer.checkpoint_every
-        if every == 0:
-            self._request(P.COMMIT, {"step": self.step})
-        elif (self.step + 1) % every == 0:
-            checkpoint.save(self.ckpt_dir, self.step, self.version, self.model, self.optimizer, self.scheduler,
-                            self.cfg.trainer.keep_checkpoints)
-            self._request(P.COMMIT, {"step": self.step})
+    # ---- the other ranks ----------------------------------------------------
+
+    def _tell(self, plan: Plan) -> None:
+        """Rank 0: hand the other ranks their next instruction (nothing to do on a single process)."""
+        if self.world is not None:
+            distributed.send(plan, self.world)
+
+    def follow(self) -> bool:
+        """A rank other than 0: carry out rank 0's next instruction; False once it says stop."""
+        plan = distributed.receive(self.world)
+        if plan.op == "wait":
+            return True
+        if plan.op == "stop":
+            return False
+        self.step, self.version = plan.step, plan.step + 1
+        self.train_reply(plan.reply())
+        if plan.publish:
+            self._publish_async(self.version, self.step)
+        if plan.checkpoint:
+            self.save()
+        self.step += 1
+        bind(step=self.step, policy_version=self.version)
+        return True
 
     def _log_step(self, reply, batch, metrics, wait_s, compute_s, publish_s, total_s, published) -> None:
         rewards = batch.rewards if batch is not None else torch.empty(0)
@@ -357,10 +297,16 @@ class Trainer:
                 last_log = waited
                 log.info("waiting_for_explorers", explorers=joined, expected=t.wait_for_explorers,
                          waited_s=round(waited, 1))
+                self._tell(Plan("wait"))
             time.sleep(0.2)
 
     def run(self, max_steps: int | None = None) -> int:
         self.resume()
+        if not self.main:
+            while self.follow():
+                pass
+            self._check_publishes(wait=True)
+            return 0
         checkpoint.write_record(self.cfg, self.model_path, self.step)
         if self.client is None:
             self.connect()
@@ -371,8 +317,10 @@ class Trainer:
                 if not self.run_step():
                     break
                 done += 1
+            self._tell(Plan("stop"))  # not after an error: the other ranks may be inside another collective
         except BrokerUnreachable as exc:
             self._stopped_without_broker(exc)
+            self._tell(Plan("stop"))
         finally:
             try:
                 self._check_publishes(wait=True)
@@ -386,15 +334,30 @@ class Trainer:
 
 
 def run(cfg: RunConfig) -> None:
-    """Entry point of `rlbus trainer`."""
+    """Entry point of `rlbus trainer` on one process, and of each rank of a sharded one (with RANK and
+    WORLD_SIZE set: by `rlbus.trainer.ranks` or torchrun)."""
     from rlbus.weights.models import resolve_model
 
     try:
-        trainer = Trainer(cfg, resolve_model(cfg.model.path, cfg.model.cache_dir))
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            signal.signal(sig, lambda *_: trainer.stop())
-        with telemetry.start(cfg, "trainer", cfg.trainer.name):
+        world = distributed.init(cfg)
+        if world is not None:
+            bind(rank=world.rank)
+        trainer = Trainer(cfg, resolve_model(cfg.model.path, cfg.model.cache_dir), world=world)
+        if trainer.main:
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                signal.signal(sig, lambda *_: trainer.stop())
+        else:
+            # The other ranks stop when rank 0 says so, at a step's end (a terminal's ^C and hang-up reach every
+            # rank); SIGTERM, which only a supervisor sends them, ends them at once.
+            for sig in (signal.SIGINT, signal.SIGHUP):
+                signal.signal(sig, signal.SIG_IGN)
+        if trainer.main:
+            with telemetry.start(cfg, "trainer", cfg.trainer.name):
+                trainer.run()
+        else:
             trainer.run()
     except Exception as exc:  # the log says why the trainer ended, not only stderr
         log.exception("trainer_failed", error=P.brief(exc))
         raise
+    finally:
+        distributed.close()

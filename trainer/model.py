@@ -13,10 +13,10 @@ from rlbus.common.config import RunConfig
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def load_model(path: str, cfg: RunConfig, trainable: bool = True):
+def load_model(path: str, cfg: RunConfig, trainable: bool = True, device: str | None = None):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[cfg.model.dtype]).to(cfg.trainer.device)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[cfg.model.dtype]).to(device or cfg.trainer.device)
     if trainable:
         model.train()
         if cfg.trainer.gradient_checkpointing:

@@ -8,10 +8,13 @@ For every published version, on the trainer's publishing thread:
    since). When the set changes, or the last epoch failed, a new epoch opens:
    its layout goes into the run's store under `e{E}/`.
 2. Announce. PUBLISH `{version, method: nccl, location: "", broadcast:
-   {epoch, backend, address, world, ranks, version, digest, timeout_s}}`.
-   Members see it on the bus between rollouts and join.
+   {epoch, backend, address, world, ranks, workers, version, digest,
+   timeout_s}}`. Members see it on the bus between rollouts and join: an
+   explorer whose engine has N workers (tensor parallel) takes ranks
+   `ranks[name]` … `ranks[name] + N - 1`, one per worker, each of which
+   receives the whole version and loads its own part of it.
 3. Broadcast every bucket from rank 0, then wait for each member's
-   `done/{version}/{rank}` key (written after its digest check). Every wait
+   `done/{version}/{rank}` key, one per worker (written after its digest check). Every wait
    is bounded by `sync.sync_timeout_s`; past it, or on any error, the epoch
    is aborted and the next version opens a new one without the suspects.
 4. Checkpoint. The same buckets are written as `weights/v{version}/` and
@@ -59,7 +62,7 @@ class BroadcastSender:
         self.layout: Layout | None = None
         self.names: dict[str, str] = {}  # state-dict name -> the name it is stored under (tied weights)
         self.epoch = 0
-        self.members: tuple[str, ...] = ()
+        self.members: tuple[tuple[str, int], ...] = ()  # (explorer, its engine's workers)
         self.comm = None
         self.suspects: dict[str, int] = {}  # member -> version it failed to receive
         log.info("broadcast_ready", backend=self.backend, address=self.address, timeout_s=self.timeout_s)
@@ -71,18 +74,31 @@ class BroadcastSender:
 
     def snapshot(self, model) -> tuple[Any, list]:
         state = model.state_dict()
-        unique = unique_tensors(state)
         if self.layout is None:
-            import torch
+            self._plan(state)
+        buckets = self.layout.allocate(self.device)
+        stored = dict(self.layout.views(buckets))
+        # One tensor at a time into its place: a sharded trainer's state (trainer/distributed.py) is gathered
+        # as it is read, so no second full copy is ever held beside the buckets.
+        for name, t in state.items():
+            if self.names[name] == name:
+                stored[name].copy_(t)
+        return model, buckets
 
-            dt = self.dtype
-            plan = [(n, torch.empty(t.shape, dtype=dt or t.dtype, device="meta")) for n, t in unique]
-            self.layout = Layout.plan(plan, self.bucket_bytes)
+    def _plan(self, state) -> None:
+        import torch
+
+        unique_meta = getattr(state, "unique_meta", None)  # a sharded state says it without gathering
+        unique = unique_meta() if unique_meta else unique_tensors(state)
+        dt = self.dtype
+        self.layout = Layout.plan([(n, torch.empty(t.shape, dtype=dt or t.dtype, device="meta")) for n, t in unique],
+                                  self.bucket_bytes)
+        if unique_meta:
+            first = {state.tie[n]: n for n, _ in unique}
+            self.names = {n: first[state.tie[n]] for n in state.keys()}
+        else:
             ptrs = {t.data_ptr(): n for n, t in unique}
             self.names = {n: ptrs[t.data_ptr()] for n, t in state.items()}
-        buckets = self.layout.allocate(self.device)
-        self.layout.fill(buckets, dict(unique))
-        return model, buckets
 
     # ---- publish (publishing thread) --------------------------------------
 
@@ -97,9 +113,9 @@ class BroadcastSender:
         result["method"] = "nccl"
         return result
 
-    def _members(self) -> tuple[str, ...]:
+    def _members(self) -> tuple[tuple[str, int], ...]:
         status = self.client.request(P.STATUS, {}, timeout=self.timeout_s).header
-        names = []
+        members = []
         for peer in status["peers"]:
             caps = peer.get("capabilities") or {}
             if peer["role"] != "explorer" or self.backend not in caps.get("broadcast_backends", []):
@@ -109,45 +125,49 @@ class BroadcastSender:
                 if peer["policy_version"] < failed_at:
                     continue
                 del self.suspects[peer["name"]]  # caught up by checkpoint: back in at the next epoch
-            names.append(peer["name"])
-        return tuple(sorted(names))
+            members.append((peer["name"], int(caps.get("broadcast_workers") or 1)))
+        return tuple(sorted(members))
 
-    def _open_epoch(self, members: tuple[str, ...]) -> None:
+    def _open_epoch(self, members: tuple[tuple[str, int], ...]) -> None:
         self._close_comm()
         self.epoch += 1
         self.members = members
         store, _ = epoch_store(self.address, self.epoch, self.timeout_s, store=self.store)
         store.set("layout", self.layout.to_bytes())
         self.epoch_kv = store
-        log.info("broadcast_epoch", epoch=self.epoch, members=list(members), world=len(members) + 1)
+        log.info("broadcast_epoch", epoch=self.epoch, members=[name for name, _ in members], world=_ranks(members)[1],
+                 workers={name: n for name, n in members if n > 1})
 
     def _close_comm(self) -> None:
         if self.comm is not None:
             self.comm.close()
             self.comm = None
 
-    def _broadcast(self, buckets: list, version: int, step: int, members: tuple[str, ...]) -> None:
+    def _broadcast(self, buckets: list, version: int, step: int, members: tuple[tuple[str, int], ...]) -> None:
         if members != self.members or self.comm is None:
             self._open_epoch(members)
-        ranks = {name: i + 1 for i, name in enumerate(members)}
+        ranks, world = _ranks(members)
+        workers = dict(members)
         digest = bucket_digest(buckets)
         announcement = {"epoch": self.epoch, "backend": self.backend, "address": self.address,
-                        "world": len(members) + 1, "ranks": ranks, "version": version, "digest": digest,
+                        "world": world, "ranks": ranks, "workers": workers, "version": version, "digest": digest,
                         "timeout_s": self.timeout_s}
+        done = {name: [f"done/{version}/{r}" for r in range(ranks[name], ranks[name] + workers[name])]
+                for name in ranks}
         started = time.monotonic()
         self.client.request(P.PUBLISH, {"version": version, "method": "nccl", "location": "", "digest": "",
                                         "step": step, "broadcast": announcement}, timeout=self.timeout_s)
         try:
             if self.comm is None:
-                self.comm = make_comm(self.backend, self.epoch_kv, 0, len(members) + 1, self.timeout_s, self.host)
+                self.comm = make_comm(self.backend, self.epoch_kv, 0, world, self.timeout_s, self.host)
             joined = time.monotonic()
             for bucket in buckets:
                 self.comm.broadcast(bucket)
             sent = time.monotonic()
-            keys = [f"done/{version}/{r}" for r in ranks.values()]
+            keys = [key for keys in done.values() for key in keys]
             self.epoch_kv.wait(keys, datetime.timedelta(seconds=max(0.1, self.timeout_s - (sent - started))))
         except (BroadcastError, RuntimeError) as exc:
-            missing = [n for n, r in ranks.items() if not self.epoch_kv.check([f"done/{version}/{r}"])]
+            missing = [n for n, keys in done.items() if not self.epoch_kv.check(keys)]
             for name in missing:
                 self.suspects[name] = version
             self._close_comm()
@@ -161,3 +181,13 @@ class BroadcastSender:
     def close(self) -> None:
         self._close_comm()
         self.checkpoint.close()
+
+
+def _ranks(members: tuple[tuple[str, int], ...]) -> tuple[dict[str, int], int]:
+    """Each member's first rank (its engine's workers take consecutive ones after the trainer's 0), and the
+    group's size."""
+    ranks, world = {}, 1
+    for name, workers in members:
+        ranks[name] = world
+        world += workers
+    return ranks, world

@@ -60,11 +60,15 @@ class CheckpointSender:
 
     def snapshot(self, model) -> tuple[Any, dict[str, Any]]:
         """The model and a copy of its weights, taken now (training may change them meanwhile)."""
-        copies: dict[int, Any] = {}
+        copies: dict[Any, Any] = {}
         state = {}
-        for name, tensor in model.state_dict().items():
+        source = model.state_dict()
+        # A sharded trainer's state (trainer/distributed.py) is gathered as it is read, each tensor freed once
+        # copied, so its storage says nothing about ties; it names them itself.
+        tie = getattr(source, "tie", None)
+        for name, tensor in source.items():
             # Tied weights (embedding and LM head) stay one tensor, so they are saved once.
-            key = tensor.data_ptr()
+            key = tie[name] if tie is not None else tensor.data_ptr()
             if key not in copies:
                 copies[key] = tensor.detach().to(self.dtype or tensor.dtype, copy=True)
             state[name] = copies[key]

@@ -227,5 +227,7 @@ def open_source(source: dict[str, Any], worker: Any) -> tuple[Iterator[tuple[str
     if source["method"] == "nccl":
         from rlbus.weights.broadcast import receive_version
 
-        return receive_version(worker, source["announcement"], source["rank"], info), info
+        # An engine with several workers (tensor parallel) has a rank per worker, from the explorer's first one.
+        rank = source["rank"] + getattr(worker, "rank", 0)
+        return receive_version(worker, source["announcement"], rank, info), info
     raise ValueError(f"unknown weight source {source.get('method')!r}")

@@ -50,6 +50,14 @@ def wait_for(predicate, timeout: float, what: str):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def assert_generates_like(engine, model) -> None:
+    """The engine's greedy output equals transformers' on `model`'s weights."""
+    prompt = engine.chat_prompt([{"role": "user", "content": "Say something."}])
+    got = engine.generate([prompt], n=1, temperature=0.0, max_tokens=6)[0][0].token_ids
+    want = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0, len(prompt):].tolist()
+    assert got == want[:len(got)]
+
+
 def peers(tool) -> dict[str, dict]:
     return {p["name"]: p for p in tool.request(P.STATUS).header["peers"]}
 
@@ -111,7 +119,7 @@ def test_mixed_fleet_late_joiner_gets_the_checkpoint_then_the_broadcast(broker_f
         # ...then the next version by broadcast, in a new epoch that has it as its only member.
         model2 = tiny_weights(tmp_path, tiny_model, 2)
         state = pub.publish(pub.snapshot(model2), 2, 1)
-        assert pub.epoch == 1 and pub.members == ("late",)
+        assert pub.epoch == 1 and pub.members == (("late", 1),)
         wait_for(lambda: engine.version == 2, 30, "the member to load version 2")
         assert engine.last_load["method"] == "nccl"
         trainer.request(P.PUBLISH, state)
@@ -123,11 +131,7 @@ def test_mixed_fleet_late_joiner_gets_the_checkpoint_then_the_broadcast(broker_f
 
         ex.stop()
         thread.join(60)
-        # The broadcast weights really are the ones generating: greedy output equals transformers' on them.
-        prompt = engine.chat_prompt([{"role": "user", "content": "Say something."}])
-        got = engine.generate([prompt], n=1, temperature=0.0, max_tokens=6)[0][0].token_ids
-        want = model2.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0, len(prompt):].tolist()
-        assert got == want[:len(got)]
+        assert_generates_like(engine, model2)  # the broadcast weights really are the ones generating
     finally:
         tear_down(ex, thread, files, pub, engine, tiny_model)
 
@@ -165,7 +169,7 @@ def test_member_killed_mid_broadcast_does_not_hang_the_trainer(broker_factory, c
         # The broker drops the dead member; the next version opens a new epoch without it, and arrives.
         wait_for(lambda: "victim" not in peers(trainer), 30, "the broker to drop the victim")
         state = pub.publish(pub.snapshot(tiny_weights(tmp_path, tiny_model, 2)), 2, 1)
-        assert pub.members == ("survivor",) and pub.epoch == 2
+        assert pub.members == (("survivor", 1),) and pub.epoch == 2
         wait_for(lambda: engine.version == 2, 30, "the survivor to load version 2")
         assert engine.last_load["method"] == "nccl"
         trainer.request(P.PUBLISH, state)

@@ -3,7 +3,8 @@
 `receive(ann, rank, versions, out)`: join the announced epoch, receive
 `versions` versions, put (version, fingerprints of the tensors) on `out`.
 `receive_then_die(ann, rank, out)`: receive the first bucket only, say so, and
-wait to be killed.
+wait to be killed. `engine_worker(source, worker_rank, out)`: receive as one of
+an engine's workers does.
 """
 
 from __future__ import annotations
@@ -41,6 +42,21 @@ def receive_then_die(ann: dict, rank: int, out) -> None:
     member.comm.broadcast(member.buckets[0])
     out.put(("first_bucket", rank))
     time.sleep(600)
+
+
+class Worker:
+    """What `rlbus.weights.sync.open_source` needs of a vLLM worker: its rank among the engine's workers."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+
+
+def engine_worker(source: dict, worker_rank: int, out) -> None:
+    """One worker of an explorer's engine, receiving as vLLM's workers do (`open_source` on the worker)."""
+    from rlbus.weights.sync import open_source
+
+    tensors, info = open_source(source, Worker(worker_rank))
+    out.put((worker_rank, {n: fingerprint(t) for n, t in tensors}))
 
 
 def victim_main(broker: str, bus: str, name: str, marker: str) -> None:

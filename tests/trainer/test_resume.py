@@ -20,15 +20,17 @@ from tests.trainer.test_trainer import synthetic
 STEPS = 6
 
 
-def start_trainer(b, run_dir, tiny_model, log_path, steps=STEPS, checkpoint_every=2):
-    args = [sys.executable, "-m", "rlbus.cli", "trainer", "--broker", b.address]
+def start_trainer(b, run_dir, tiny_model, log_path, steps=STEPS, checkpoint_every=2, *extra, stderr=None, env=None,
+                  launcher=(sys.executable, "-m")):
+    args = [*launcher, "rlbus.cli", "trainer", "--broker", b.address]
     for s in ("broker.heartbeat_interval_s=0.2", f"run.dir={run_dir}", f"model.path={tiny_model}",
               "rollout.repeat=4", "data.batch_tasks=2", "sync.sync_style=async", "sync.max_staleness=100",
               "trainer.lr=1e-3", "trainer.micro_batch=3", f"trainer.total_steps={steps}", f"trainer.checkpoint_every={checkpoint_every}",
               "trainer.fetch_wait_s=1", "trainer.threads=1", "rollout.dtype=float32", "logging.format=json",
-              f"logging.file={log_path}"):
+              f"logging.file={log_path}", *extra):
         args += ["--set", s]
-    return subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=stderr or subprocess.DEVNULL,
+                            env={**os.environ, **env} if env else None)
 
 
 def steps_logged(path):

@@ -1,0 +1,119 @@
+"""The trainer on two ranks (FSDP2 over gloo, `trainer.world_size: 2`): the single process's steps, checkpoints
+that resume at either world size, and a rank that dies stopping the trainer, which a restart resumes."""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from rlbus.logview import events
+from tests.conftest import free_port
+from tests.trainer.test_resume import delivered, feed, start_trainer, steps_logged
+
+SETS = ("sync.sync_style=async", "sync.max_staleness=100", "rollout.repeat=4", "data.batch_tasks=2")
+METRICS = ("loss", "grad_norm", "entropy", "clip_fraction", "forward_tokens")
+
+
+def train(b, run_dir, tiny_model, log, world: int, steps: int, checkpoint_every: int = 2, *extra,
+          env: dict | None = None, torchrun: bool = False) -> None:
+    """A trainer run to its end: `rlbus trainer` (which starts the ranks), or torchrun starting them."""
+    err = open(f"{log}.err", "wb")
+    launcher = (str(Path(sys.executable).with_name("torchrun")), f"--nproc-per-node={world}",
+                f"--master-port={free_port()}", "-m") if torchrun else (sys.executable, "-m")
+    proc = start_trainer(b, run_dir, tiny_model, log, steps, checkpoint_every, f"trainer.world_size={world}",
+                         *extra, stderr=err, env=env, launcher=launcher)
+    assert proc.wait(300) == 0, open(f"{log}.err", errors="replace").read()[-3000:]
+
+
+def step_metrics(log, step: int) -> dict:
+    return next(e for e in reversed(events(log, "train_step")) if e["step"] == step)
+
+
+def assert_same_step(got: dict, want: dict) -> None:
+    """Equal to 1e-5, beyond the 5 significant digits the step's log line keeps (one unit in the last)."""
+    for k in METRICS:
+        logged = 10 ** (math.floor(math.log10(abs(want[k]))) - 4) if want[k] else 0.0
+        assert abs(got[k] - want[k]) <= 1e-5 + logged, (k, got[k], want[k])
+
+
+def test_two_ranks_train_the_single_process_steps_and_resume_at_either_world_size(broker_factory, clients,
+                                                                                    tiny_model, tmp_path):
+    # Three steps on one process and on two ranks, on the same batches; a checkpoint covers steps 0-1, so the
+    # broker re-delivers step 2 to whichever trainer resumes.
+    one, two = broker_factory(*SETS), broker_factory(*SETS)
+    for b in (one, two):
+        feed(b, clients, steps=3)
+    train(one, tmp_path / "one", tiny_model, tmp_path / "one.jsonl", world=1, steps=3)
+    train(two, tmp_path / "two", tiny_model, tmp_path / "two.jsonl", world=2, steps=3)
+    assert delivered(one) == delivered(two), "the same batch for every step"
+    assert steps_logged(tmp_path / "one.jsonl") == steps_logged(tmp_path / "two.jsonl") == [0, 1, 2]
+    for step in range(3):
+        assert_same_step(step_metrics(tmp_path / "two.jsonl", step), step_metrics(tmp_path / "one.jsonl", step))
+    w1 = load_file(tmp_path / "one" / "weights" / "v3" / "model.safetensors")
+    w2 = load_file(tmp_path / "two" / "weights" / "v3" / "model.safetensors")  # gathered from the shards
+    assert w1.keys() == w2.keys()
+    for k in w1:
+        assert torch.allclose(w1[k], w2[k], rtol=0, atol=1e-5), (k, (w1[k] - w2[k]).abs().max())
+    w0 = load_file(os.path.join(tiny_model, "model.safetensors"))
+    assert any(not torch.equal(w1[k], w0[k]) for k in w1), "training changed the weights"
+    sharded = tmp_path / "two" / "checkpoints" / "step_00000001"
+    assert (sharded / "meta.pt").exists() and list((sharded / "shards").glob("*.distcp"))
+
+    # Step 2 again, resumed: the two ranks' sharded checkpoint at two ranks (started by torchrun, as on several
+    # hosts) and at one, and the single process's checkpoint at two ranks.
+    want = step_metrics(tmp_path / "one.jsonl", 2)
+    shutil.copytree(tmp_path / "two", tmp_path / "two-at-one")
+    shutil.copytree(tmp_path / "one", tmp_path / "one-at-two")
+    for b, run, world, torchrun in ((two, "two", 2, True), (two, "two-at-one", 1, False),
+                                    (one, "one-at-two", 2, False)):
+        log = tmp_path / f"{run}.resumed.jsonl"
+        train(b, tmp_path / run, tiny_model, log, world=world, steps=3, torchrun=torchrun)
+        assert [e["step"] for e in events(log, "trainer_resumed")] == [2], run
+        assert steps_logged(log) == [2], run
+        assert_same_step(step_metrics(log, 2), want)
+
+
+def test_a_rank_killed_mid_run_stops_the_trainer_naming_it_and_a_restart_resumes(broker_factory, clients,
+                                                                                   tiny_model, tmp_path):
+    b = broker_factory(*SETS)
+    feed(b, clients, steps=6)
+    log = tmp_path / "trainer.jsonl"
+    err = tmp_path / "trainer.err"
+    proc = start_trainer(b, tmp_path / "run", tiny_model, log, 6, 2, "trainer.world_size=2", stderr=open(err, "wb"))
+    try:
+        deadline = time.monotonic() + 300
+        while 2 not in steps_logged(log):  # past the first checkpoint (steps 0-1)
+            assert time.monotonic() < deadline and proc.poll() is None, err.read_text()[-3000:]
+            time.sleep(0.02)
+        pids = events(log, "trainer_ranks_started")[0]["pids"]
+        os.kill(pids[1], signal.SIGKILL)
+        killed = time.monotonic()
+        code = proc.wait(60)
+        stopped_s = time.monotonic() - killed
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert code == 1
+    failed = events(log, "trainer_rank_failed")
+    assert [(e["rank"], e["reason"]) for e in failed] == [(1, "killed by SIGKILL")]
+    assert "trainer rank 1" in err.read_text()
+    # Within the bound: the supervisor notices at once and gives the others STOP_GRACE_S (5 s) before SIGKILL.
+    assert stopped_s < 15, stopped_s
+    for pid in pids:  # no rank is left behind
+        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+
+    train(b, tmp_path / "run", tiny_model, log, world=2, steps=6)
+    resumed = events(log, "trainer_resumed")
+    assert resumed and resumed[-1]["step"] in (2, 4)
+    assert sorted(set(steps_logged(log))) == list(range(6)), "every step trained"
+    groups = [g for gs in delivered(b).values() for g in gs]
+    assert len(groups) == len(set(groups)) == 12, "each group in exactly one step"
