@@ -277,6 +277,9 @@ class TrainerConfig(Section):
     """After warm-up: keep lr, or decay it to lr x min_lr_ratio at total_steps (linearly or along a cosine)."""
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
     """Where a decaying schedule ends, as a fraction of lr."""
+    decay_steps: int = Field(0, ge=0)
+    """A decaying schedule's length: it holds lr until total_steps - decay_steps, then decays (warm-up, stable,
+    decay); 0: it decays from the end of warm-up."""
     grad_clip: float = Field(1.0, gt=0)
     """Clip the gradient norm to this."""
     total_steps: int = Field(100, ge=0)

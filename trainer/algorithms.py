@@ -160,6 +160,9 @@ def lr_factor(t, step: int) -> float:
         return (step + 1) / warm
     if t.lr_schedule == "constant":
         return 1.0
-    progress = min(1.0, (step - warm) / max(1, t.total_steps - warm))
+    start = warm if not t.decay_steps else max(warm, t.total_steps - t.decay_steps)
+    if step < start:  # warm-up, stable, decay
+        return 1.0
+    progress = min(1.0, (step - start) / max(1, t.total_steps - start))
     shape = 1 - progress if t.lr_schedule == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
     return t.min_lr_ratio + (1 - t.min_lr_ratio) * shape

@@ -114,6 +114,9 @@ def test_lr_schedules_warm_up_then_keep_or_decay_to_the_floor():
     cosine = factors("trainer.lr_schedule=cosine", "trainer.min_lr_ratio=0.1")
     assert cosine[0] == 1.0 and cosine[5] == 0.55 and cosine[10:] == [0.1, 0.1]
     assert all(a >= b for a, b in zip(cosine, cosine[1:]))
+    assert factors("trainer.lr_schedule=linear", "trainer.decay_steps=4", "trainer.warmup_steps=2") == [
+        0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.75, 0.5, 0.25, 0.0, 0.0]  # warm-up, stable, decay
+    assert factors("trainer.lr_schedule=linear", "trainer.decay_steps=40") == factors("trainer.lr_schedule=linear")
 
 
 @pytest.mark.parametrize("is_mode", ["truncate", "mask"])
