@@ -1,6 +1,7 @@
 """The default job, per seed: how soon held-out accuracy reaches 0.9, and whether it stays there.
 
-    .venv/bin/python benchmarks/learning.py [--seeds N] [--config configs/arith.yaml] [--set KEY=VALUE ...]
+    .venv/bin/python benchmarks/learning.py [--seeds N] [--first-seed K] [--config configs/arith.yaml]
+                                            [--set KEY=VALUE ...]
 
 Each seed is a real `rlbus up` of the config with `data.seed` and
 `rollout.seed` set to the seed (0, 1, ...). From the run's logs:
@@ -105,7 +106,8 @@ def run_seed(config: str, seed: int, sets: list[str], root: Path) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seeds", type=int, default=3, help="seeds 0 .. N-1")
+    ap.add_argument("--seeds", type=int, default=3, help="how many seeds: first-seed .. first-seed + N - 1")
+    ap.add_argument("--first-seed", type=int, default=0, help="the first seed (default 0)")
     ap.add_argument("--config", default=str(REPO / "configs" / "arith.yaml"))
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                     help="config override for every seed (repeatable)")
@@ -126,7 +128,7 @@ def main() -> None:
         root = Path(args.out or tmp)
         root.mkdir(parents=True, exist_ok=True)
         per_seed = {}
-        for seed in range(args.seeds):
+        for seed in range(args.first_seed, args.first_seed + args.seeds):
             f = per_seed[seed] = run_seed(args.config, seed, sets, root)
             print(f"seed {seed}: 0.9 after {f['train_s_to_0_9']} s of training ({f['wall_s_to_0_9']} s wall, "
                   f"version {f['version_at_0_9']}); last three {f['last_three']}, final {f['final_accuracy']}; "

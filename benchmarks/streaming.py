@@ -4,7 +4,9 @@
                                              [--workloads even,uneven]
 
 Each workload runs the presets `multi_explorer_async` and `streaming` (with
-`explorer.swap_kv` recompute, and keep as `streaming_keep`), which differ
+`explorer.swap_kv` recompute; keep as `streaming_keep`; keep with
+`explorer.swap_lag: 2`, a swap every second version, as
+`streaming_keep_lag2`), which differ
 only in how the explorers work, with benchmarks/modes.py's
 settings (SmolLM2-135M, 4 prompts x 8 samples per step, every step the same
 work). Workloads:
@@ -59,7 +61,8 @@ WORKLOADS = {
 }
 # name: (preset, settings beside it)
 MODES = {"multi_explorer_async": ("multi_explorer_async", ()), "streaming": ("streaming", ()),
-         "streaming_keep": ("streaming", ("explorer.swap_kv=keep",))}
+         "streaming_keep": ("streaming", ("explorer.swap_kv=keep",)),
+         "streaming_keep_lag2": ("streaming", ("explorer.swap_kv=keep", "explorer.swap_lag=2"))}
 SETTINGS = ["trainer.checkpoint_every=0", "explorer.eval_every=0", "algorithm.fill_batch=false", "data.batch_tasks=4",
             "rollout.repeat=8", "explorer.tasks_per_lease=4", "rollout.max_tokens=24",
             "algorithm.skip_zero_spread=false", "logging.format=json"]
@@ -199,12 +202,9 @@ def main() -> None:
                                                                   / batch["steps_per_hour"], 3)
     key = "uneven" if "uneven" in results else next(iter(results))
     runs = results[key]
-    if "streaming" in runs:
-        summary["streaming_idle_share"] = runs["streaming"]["explorer_idle"]
-        summary["streaming_vs_async_steps_ratio"] = summary.get(f"{key}_streaming_steps_ratio")
-    if "streaming_keep" in runs:
-        summary["streaming_keep_idle_share"] = runs["streaming_keep"]["explorer_idle"]
-        summary["streaming_keep_vs_async_steps_ratio"] = summary.get(f"{key}_streaming_keep_steps_ratio")
+    for mode in (m for m in runs if m.startswith("streaming")):
+        summary[f"{mode}_idle_share"] = runs[mode]["explorer_idle"]
+        summary[f"{mode}_vs_async_steps_ratio"] = summary.get(f"{key}_{mode}_steps_ratio")
     if args.keep:
         summary["run_dirs"] = str(root)
     else:

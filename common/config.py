@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, model_validator
 
 # The processes' sections live in sections.py and are part of this module's API; the run-wide ones are below.
 from rlbus.common.sections import (  # noqa: F401
@@ -92,6 +92,14 @@ class RunConfig(Section):
     logging: LoggingConfig = LoggingConfig()
     metrics: MetricsConfig = MetricsConfig()
     launch: LaunchConfig = LaunchConfig()
+
+    @model_validator(mode="after")
+    def _swap_lag(self) -> "RunConfig":
+        lag, bound = self.explorer.swap_lag, self.sync.max_staleness
+        if self.explorer.streaming and self.sync.sync_style == "async" and lag > bound:
+            raise ValueError(f"explorer.swap_lag={lag} exceeds sync.max_staleness={bound}: a streaming explorer "
+                             f"would hold weights whose samples are too stale to train on; set swap_lag <= {bound}")
+        return self
 
     def buffer_dir(self) -> Path:
         return Path(self.buffer.dir) if self.buffer.dir else Path(self.run.dir) / "buffer"

@@ -258,6 +258,10 @@ class ExplorerConfig(Section):
     token is sampled from the version it is labelled with, at the cost of a prefill of everything in flight per
     swap), or keep it (later tokens attend to KV older weights computed; their logprobs are still the ones they
     were sampled with; prefix caching is then off)."""
+    swap_lag: int = Field(1, ge=1)
+    """Streaming with in-flight updates: swap once the newest announced version is this many ahead of the
+    engine's, and then to the newest (2 halves the pauses when every version is published). Must stay within
+    sync.max_staleness; broadcast members load every epoch whatever this says."""
     engine_core: Literal["auto", "inline", "process"] = "auto"
     """Where vLLM's engine core runs: inside the explorer process, or in a process of its own. auto: inline on
     vLLM's CPU build (the tiny model's engine starts in ~5 s instead of ~24 s, and generates on all the

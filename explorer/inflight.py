@@ -1,8 +1,9 @@
 """In-flight weight updates for a streaming explorer: the loader thread and the engine as it sees it.
 
-A `Loader` watches the weight bus and brings each newly announced version
-into the running engine through the explorer's receiver, which fetches it
-while generation goes on; the engine pauses only for the swap itself, and
+A `Loader` watches the weight bus and, once the newest announced version is
+`explorer.swap_lag` versions ahead of the engine's, brings it into the
+running engine through the explorer's receiver, which fetches it while
+generation goes on; the engine pauses only for the swap itself, and
 (unless the source is a broadcast, which all its members load together)
 only inside a swap slot the broker grants (`sync.max_swapping`).
 """
@@ -44,7 +45,8 @@ class Loader:
         engine = _Slotted(ex)
         while not self._stop.is_set():
             state = ex.client.weights or {}
-            if state.get("version", 0) > ex.engine.version:
+            lag = 1 if state.get("method") == "nccl" else ex.cfg.explorer.swap_lag  # every epoch's members load
+            if state.get("version", 0) >= ex.engine.version + lag:
                 try:
                     ex._load_newest(engine)
                 except Stopping:

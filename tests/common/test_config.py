@@ -41,6 +41,8 @@ def test_off_stays_a_string():
     (["trainer.lrr=1"], "trainer.lrr: unknown setting"),
     (["sync.sync_interval=4", "sync.max_staleness=1"], "set max_staleness >= 3"),
     (["notakeyvalue"], "expected key=value"),
+    (["explorer.streaming=true", "sync.sync_style=async", "sync.max_staleness=2", "explorer.swap_lag=3"],
+     "set swap_lag <= 2"),
 ])
 def test_bad_values_name_field_value_and_remedy(sets, needle):
     with pytest.raises(ConfigError) as err:

@@ -99,15 +99,15 @@ def test_generate_leaves_other_requests_in_flight_to_their_owner(engine):
     assert list(done) == ["mine"] and len(done["mine"]) == 2
 
 
-def test_streaming_explorer_swaps_weights_in_flight_and_puts_every_group_once(broker_factory, clients, engine,
-                                                                              v1, restore):
-    """sync_style async + streaming: version 1 is announced while groups are in flight; the explorer swaps it in
-    without draining, and the groups that spanned it say so (first and last version, and where)."""
+def stream(broker_factory, clients, engine, *explorer_sets: str, announce):
+    """A streaming explorer (async, 12 tasks of 2 samples) runs the taskset while `announce(trainer, explorer)`
+    publishes versions once two requests are in flight; returns the broker and every group it then holds."""
     b = broker_factory("sync.sync_style=async", "sync.max_staleness=8", "rollout.repeat=2", "rollout.max_tokens=24",
                        "data.batch_tasks=2", "data.max_tasks=12", "sync.max_swapping=1")
     trainer = clients(b, "trainer", "tr")
     ex_cfg = explorer_config(b, "sync.sync_style=async", "rollout.repeat=2", "rollout.max_tokens=24",
-                             "explorer.streaming=true", "explorer.inflight_tasks=4", "explorer.tasks_per_lease=2")
+                             "explorer.streaming=true", "explorer.inflight_tasks=4", "explorer.tasks_per_lease=2",
+                             *explorer_sets)
     from rlbus.explorer.main import Explorer
 
     ex = Explorer(ex_cfg, engine, name="streamer")
@@ -117,7 +117,7 @@ def test_streaming_explorer_swaps_weights_in_flight_and_puts_every_group_once(br
         deadline = time.monotonic() + 60
         while engine.in_flight < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
-        publish(trainer, v1, 1)
+        announce(trainer, ex)
         thread.join(120)
         assert not thread.is_alive()
     finally:
@@ -125,6 +125,14 @@ def test_streaming_explorer_swaps_weights_in_flight_and_puts_every_group_once(br
         thread.join(10)
     groups, metas, payloads = fetch_all(trainer, max_groups=64)
     assert len(groups) == 12 and len({m["id"] for m in metas}) == 24  # the whole taskset, each group once
+    return b, metas, payloads
+
+
+def test_streaming_explorer_swaps_weights_in_flight_and_puts_every_group_once(broker_factory, clients, engine,
+                                                                              v1, restore):
+    """sync_style async + streaming: version 1 is announced while groups are in flight; the explorer swaps it in
+    without draining, and the groups that spanned it say so (first and last version, and where)."""
+    b, metas, payloads = stream(broker_factory, clients, engine, announce=lambda trainer, _: publish(trainer, v1, 1))
     spans = [(m["policy_version"], m["last_version"]) for m in metas]
     assert (0, 1) in spans and (1, 1) in spans and set(spans) <= {(0, 0), (0, 1), (1, 1)}
     for meta, body in zip(metas, payloads):
@@ -134,6 +142,24 @@ def test_streaming_explorer_swaps_weights_in_flight_and_puts_every_group_once(br
         assert all(0 <= start < len(body["response_ids"]) for start, _ in versions[1:])
     loads = [e for e in b.log_events() if e["event"] in ("swap_granted", "swap_released")]
     assert [e["event"] for e in loads] == ["swap_granted", "swap_released"]
+
+
+def test_with_swap_lag_2_the_explorer_skips_a_version_and_swaps_to_the_newest(broker_factory, clients, engine,
+                                                                              v1, restore):
+    """explorer.swap_lag 2: version 1 announced alone is not loaded; once version 2 is, the engine swaps straight to
+    it with its requests in flight, so no token is labelled 1."""
+    def announce(trainer, ex):
+        publish(trainer, v1, 1)
+        deadline = time.monotonic() + 10
+        while (ex.client.weights or {}).get("version") != 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)  # the loader looks every 50 ms
+        assert engine.version == 0 and engine.in_flight
+        publish(trainer, v1, 2)
+
+    _, metas, _ = stream(broker_factory, clients, engine, "explorer.swap_lag=2", announce=announce)
+    spans = {(m["policy_version"], m["last_version"]) for m in metas}
+    assert (0, 2) in spans and spans <= {(0, 0), (0, 2), (2, 2)}
 
 
 def test_keeping_kv_across_a_swap(tiny_model, v1):
