@@ -138,7 +138,7 @@ def main() -> None:
     reached = [f["train_s_to_0_9"] for f in per_seed.values() if f["train_s_to_0_9"] is not None]
     summary = {
         # A seed that never reached 0.9 counts as slower than any that did.
-        "median_train_s_to_0_9": statistics.median(reached + [float("inf")] * (len(per_seed) - len(reached)))
+        "median_train_s_to_0_9": round(statistics.median(reached + [float("inf")] * (len(per_seed) - len(reached))), 1)
         if per_seed else None,
         "median_final_accuracy": statistics.median(f["final_accuracy"] for f in per_seed.values()),
         "seeds_meeting_targets": sum(f["meets_targets"] for f in per_seed.values()),
