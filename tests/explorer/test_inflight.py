@@ -9,7 +9,6 @@ import time
 import numpy as np
 import pytest
 
-from rlbus.common import protocol as P
 from rlbus.weights.digest import weights_digest
 from rlbus.weights.sync import checkpoint_source, load_checkpoint
 from tests.explorer.test_explorer import explorer_config, fetch_all, publish
