@@ -98,13 +98,14 @@ def test_generate_leaves_other_requests_in_flight_to_their_owner(engine):
     assert list(done) == ["mine"] and len(done["mine"]) == 2
 
 
-def stream(broker_factory, clients, engine, *explorer_sets: str, announce):
+def stream(broker_factory, clients, engine, *explorer_sets: str, announce, max_tokens: int = 24):
     """A streaming explorer (async, 12 tasks of 2 samples) runs the taskset while `announce(trainer, explorer)`
     publishes versions once two requests are in flight; returns the broker and every group it then holds."""
-    b = broker_factory("sync.sync_style=async", "sync.max_staleness=8", "rollout.repeat=2", "rollout.max_tokens=24",
-                       "data.batch_tasks=2", "data.max_tasks=12", "sync.max_swapping=1")
+    b = broker_factory("sync.sync_style=async", "sync.max_staleness=8", "rollout.repeat=2",
+                       f"rollout.max_tokens={max_tokens}", "data.batch_tasks=2", "data.max_tasks=12",
+                       "sync.max_swapping=1")
     trainer = clients(b, "trainer", "tr")
-    ex_cfg = explorer_config(b, "sync.sync_style=async", "rollout.repeat=2", "rollout.max_tokens=24",
+    ex_cfg = explorer_config(b, "sync.sync_style=async", "rollout.repeat=2", f"rollout.max_tokens={max_tokens}",
                              "explorer.streaming=true", "explorer.inflight_tasks=4", "explorer.tasks_per_lease=2",
                              *explorer_sets)
     from rlbus.explorer.main import Explorer
@@ -146,7 +147,10 @@ def test_streaming_explorer_swaps_weights_in_flight_and_puts_every_group_once(br
 def test_with_swap_lag_2_the_explorer_skips_a_version_and_swaps_to_the_newest(broker_factory, clients, engine,
                                                                               v1, restore):
     """explorer.swap_lag 2: version 1 announced alone is not loaded; once version 2 is, the engine swaps straight to
-    it with its requests in flight, so no token is labelled 1."""
+    it with its requests in flight, so no token is labelled 1.
+
+    Requests are long here (the random tiny model seldom stops early): the ones in flight when version 2 is
+    announced are still generating when it is swapped in, however slow the machine, and span (0, 2)."""
     def announce(trainer, ex):
         publish(trainer, v1, 1)
         deadline = time.monotonic() + 10
@@ -156,9 +160,10 @@ def test_with_swap_lag_2_the_explorer_skips_a_version_and_swaps_to_the_newest(br
         assert engine.version == 0 and engine.in_flight
         publish(trainer, v1, 2)
 
-    _, metas, _ = stream(broker_factory, clients, engine, "explorer.swap_lag=2", announce=announce)
+    b, metas, _ = stream(broker_factory, clients, engine, "explorer.swap_lag=2", announce=announce, max_tokens=200)
     spans = {(m["policy_version"], m["last_version"]) for m in metas}
     assert (0, 2) in spans and spans <= {(0, 0), (0, 2), (2, 2)}
+    assert [e["policy_version"] for e in b.log_events() if e["event"] == "swap_granted"] == [2]
 
 
 def test_keeping_kv_across_a_swap(tiny_model, v1):

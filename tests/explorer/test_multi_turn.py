@@ -25,6 +25,16 @@ def runs(mask):
     return out
 
 
+def streamed_text(tok, ids) -> str:
+    """A turn's text as vLLM's incremental detokenizer emits it. A token whose text would end in an incomplete
+    multi-byte character is held back whole (a leading space included) until a later token completes it, so a
+    turn cut by max_tokens there ends before that token."""
+    end = len(ids)
+    while end and tok.decode(ids[:end], skip_special_tokens=True).endswith("\ufffd"):
+        end -= 1
+    return tok.decode(ids[:end], skip_special_tokens=True)
+
+
 def test_guess_the_number_mask_covers_exactly_the_models_tokens(engine):
     tasks = GuessTaskset(seed=3, high=20, max_turns=3)
     leases = [{"lease_id": f"t{i}.0", "task_id": f"guess-{i}", "seq": i, "batch_index": 0, "task": tasks.task(i)}
@@ -38,10 +48,8 @@ def test_guess_the_number_mask_covers_exactly_the_models_tokens(engine):
         body = decode_payload(payload)
         ids, mask, logp = body["response_ids"], body["loss_mask"].astype(bool), body["logprobs"]
         model_runs = runs(mask)
-        # The model's turns, joined by newlines, are the episode's text (a turn may hold newlines itself). A
-        # turn cut by max_tokens inside a multi-byte character decodes here with a trailing U+FFFD; vLLM's
-        # incremental detokenizer leaves that incomplete character out of the text.
-        turns = [tok.decode(ids[a:b], skip_special_tokens=True).rstrip("\ufffd") for a, b in model_runs]
+        # The model's turns, joined by newlines, are the episode's text (a turn may hold newlines itself).
+        turns = [streamed_text(tok, ids[a:b]) for a, b in model_runs]
         assert 1 <= len(model_runs) <= 3 and "\n".join(turns) == body["text"]
         assert np.all(logp[~mask] == 0.0) and np.all(logp[mask] <= 0) and np.all(np.isfinite(logp))
         env_text = tok.decode(ids[~mask])
