@@ -16,8 +16,11 @@ measured in the same run in the same directory.
 
 The last line printed is one JSON object: broker_traj_per_s,
 raw_zmq_traj_per_s, ratio, ratio_to_per_message, p50_ack_ms, p99_ack_ms,
-large_mb_per_s, disk_fdatasync_mb_per_s, large_ratio_to_disk (and the
-settings).
+large_mb_per_s, disk_fdatasync_mb_per_s, large_ratio_to_disk, the CPU
+seconds per 10,000 trajectories of each side (producers, broker, consumer)
+in the one-per-message ZeroMQ case and through the broker, and the
+settings. On a machine with few cores every side competes for them: the
+CPU figures say where the time goes.
 """
 
 from __future__ import annotations
@@ -25,16 +28,32 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.harness import REPO, broker_process, free_port  # noqa: E402
+from benchmarks.harness import broker_process, free_port  # noqa: E402
 
 GROUP = 8  # samples per group (repeat)
+
+
+@dataclass
+class Run:
+    """One measured case: trajectories/s, PUT-to-ACK latencies, and the CPU seconds each side spent."""
+
+    rate: float
+    latencies: list[float] = field(default_factory=list)
+    cpu: dict[str, float] = field(default_factory=dict)  # producers, broker, consumer
+
+    def cpu_line(self, trajectories: int) -> str:
+        """CPU seconds per 10,000 trajectories, by side: where a 2-core machine's time goes."""
+        per = {k: v * 10_000 / trajectories for k, v in self.cpu.items()}
+        return ", ".join(f"{k} {v:.2f}" for k, v in per.items()) + f"; total {sum(per.values()):.2f}"
 
 
 def make_batch(producer: int, first_group: int, groups: int, payload: bytes) -> list[tuple[dict, bytes]]:
@@ -80,6 +99,7 @@ def producer(mode: str, address: str, index: int, n_traj: int, per_put: int, win
         push.connect(address)
         ready.put(index)
         go.wait()
+        cpu = time.process_time()
         if mode == "raw":  # the very messages a PUT sends
             for items in batches:
                 metas = [dict(m) for m, _ in items]
@@ -98,6 +118,7 @@ def producer(mode: str, address: str, index: int, n_traj: int, per_put: int, win
         client.start(30)
         ready.put(index)
         go.wait()
+        cpu = time.process_time()
         inflight = []
         for items in batches:
             sent = time.perf_counter()
@@ -109,10 +130,12 @@ def producer(mode: str, address: str, index: int, n_traj: int, per_put: int, win
         for fut in inflight:
             fut.result(120)
         client.close()
-    results.put((index, latencies))
+    results.put((index, latencies, time.process_time() - cpu))
 
 
-def run_producers(mode: str, address: str, args, consume) -> tuple[float, list[float]]:
+def run_producers(mode: str, address: str, args, consume) -> tuple[float, list[float], float]:
+    """(seconds, PUT-to-ACK latencies, the producers' CPU seconds) of one case; the caller's `consume`
+    takes every trajectory."""
     ctx = mp.get_context("spawn")
     ready, results, go = ctx.Queue(), ctx.Queue(), ctx.Event()
     procs = [ctx.Process(target=producer, args=(mode, address, i, args.per_producer, args.per_put, args.window,
@@ -126,14 +149,17 @@ def run_producers(mode: str, address: str, args, consume) -> tuple[float, list[f
     consume(args.per_producer * args.producers)
     elapsed = time.perf_counter() - start
     latencies: list[float] = []
+    cpu = 0.0
     for _ in procs:
-        latencies.extend(results.get(timeout=60)[1])
+        _, lat, used = results.get(timeout=60)
+        latencies.extend(lat)
+        cpu += used
     for p in procs:
         p.join(30)
-    return elapsed, latencies
+    return elapsed, latencies, cpu
 
 
-def bench_raw(args, mode: str = "raw") -> float:
+def bench_raw(args, mode: str = "raw") -> Run:
     import zmq
 
     ctx = zmq.Context()
@@ -147,13 +173,22 @@ def bench_raw(args, mode: str = "raw") -> float:
             pull.recv_multipart(copy=False)
             got += per_message
 
-    elapsed, _ = run_producers(mode, f"tcp://127.0.0.1:{port}", args, consume)
+    cpu = time.process_time()
+    elapsed, _, producers = run_producers(mode, f"tcp://127.0.0.1:{port}", args, consume)
+    consumer = time.process_time() - cpu
     pull.close(0)
     ctx.term()
-    return args.per_producer * args.producers / elapsed
+    return Run(args.per_producer * args.producers / elapsed, [], {"producers": producers, "consumer": consumer})
 
 
-def bench_broker(args, data_dir: Path) -> tuple[float, list[float]]:
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU seconds of a process so far (Linux: /proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def bench_broker(args, data_dir: Path) -> Run:
+
     from rlbus.common import protocol as P
     from rlbus.common.client import BrokerClient
 
@@ -161,7 +196,7 @@ def bench_broker(args, data_dir: Path) -> tuple[float, list[float]]:
     sets = [f"broker.port={port}", f"broker.pub_port={pub}", f"buffer.dir={data_dir}", f"run.dir={data_dir}",
             f"buffer.fsync={args.fsync}", "buffer.capacity=1000000", "sync.sync_style=async",
             "sync.max_staleness=1000000", "logging.level=warning", "logging.format=json"]
-    with broker_process(sets, data_dir, args.profile):
+    with broker_process(sets, data_dir, args.profile) as proc:
         address = f"tcp://127.0.0.1:{port}"
         trainer = BrokerClient(address, "trainer", "bench-trainer")
         trainer.start(30)
@@ -175,15 +210,16 @@ def bench_broker(args, data_dir: Path) -> tuple[float, list[float]]:
                     trainer.request(P.COMMIT, {"step": step}, timeout=60)
                     step += 1
 
-        elapsed, latencies = run_producers("broker", address, args, consume)
+        before, cpu = cpu_seconds(proc.pid), time.process_time()
+        elapsed, latencies, producers = run_producers("broker", address, args, consume)
+        used = {"producers": producers, "broker": cpu_seconds(proc.pid) - before,
+                "consumer": time.process_time() - cpu}
         trainer.close()
-        return args.per_producer * args.producers / elapsed, latencies
+        return Run(args.per_producer * args.producers / elapsed, latencies, used)
 
 
 def disk_fdatasync_mb_per_s(directory: Path, write_bytes: int, total_bytes: int) -> float:
     """This disk's sequential write rate with one fdatasync per write of `write_bytes`, as a group commit does."""
-    import os
-
     block = sample_payload(max(1, write_bytes >> 10))
     path = directory / "disk-baseline.bin"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -216,12 +252,16 @@ def bench_large(args, data_dir: Path) -> dict:
     disk = max(rates)
     print("disk, sequential writes with fdatasync each: " + ", ".join(
         f"{size >> 20} MB writes {rate:,.1f} MB/s" for size, rate in zip(sizes, rates)), flush=True)
-    raw = bench_raw(big) * (big.large_kb << 10) / 1e6
-    print(f"raw zmq push/pull, the same {big.large_kb} KB PUT messages: {raw:,.1f} MB/s", flush=True)
-    rate, _ = bench_broker(big, data_dir / "large")
+    n = big.per_producer * big.producers
+    raw_run = bench_raw(big)
+    raw = raw_run.rate * (big.large_kb << 10) / 1e6
+    print(f"raw zmq push/pull, the same {big.large_kb} KB PUT messages: {raw:,.1f} MB/s "
+          f"(CPU s per 10k: {raw_run.cpu_line(n)})", flush=True)
+    run = bench_broker(big, data_dir / "large")
+    rate = run.rate
     mb = rate * (big.large_kb << 10) / 1e6
     print(f"durable broker, {big.large_kb} KB trajectories: {rate:,.1f} traj/s = {mb:,.1f} MB/s "
-          f"({mb / disk:.2f} of the disk)", flush=True)
+          f"({mb / disk:.2f} of the disk; CPU s per 10k: {run.cpu_line(n)})", flush=True)
     return {"large_kb": big.large_kb, "large_traj_per_s": round(rate, 1), "large_mb_per_s": round(mb, 1),
             "disk_fdatasync_mb_per_s": round(disk, 1), "large_ratio_to_disk": round(mb / disk, 3),
             "large_raw_zmq_mb_per_s": round(raw, 1), "large_ratio_to_raw_zmq": round(mb / raw, 3)}
@@ -242,26 +282,32 @@ def main() -> None:
     args.large_kb = 0
     args.per_producer = (4 * args.per_put if args.smoke else 20_000 if args.quick else 100_000) \
         // args.per_put * args.per_put
+    n = args.per_producer * args.producers
     print(f"payload bytes per trajectory: {len(sample_payload())}", flush=True)
-    raw = bench_raw(args)
-    print(f"raw zmq push/pull, the same PUT messages: {raw:,.0f} traj/s", flush=True)
-    raw1 = bench_raw(args, "raw1")
-    print(f"raw zmq push/pull, one trajectory per message: {raw1:,.0f} traj/s", flush=True)
+    raw_run = bench_raw(args)
+    raw = raw_run.rate
+    print(f"raw zmq push/pull, the same PUT messages: {raw:,.0f} traj/s "
+          f"(CPU s per 10k: {raw_run.cpu_line(n)})", flush=True)
+    raw1_run = bench_raw(args, "raw1")
+    raw1 = raw1_run.rate
+    print(f"raw zmq push/pull, one trajectory per message: {raw1:,.0f} traj/s "
+          f"(CPU s per 10k: {raw1_run.cpu_line(n)})", flush=True)
     with tempfile.TemporaryDirectory(prefix="rlbus-bench-") as tmp:
-        rate, lat = bench_broker(args, Path(tmp) / "small")
+        run = bench_broker(args, Path(tmp) / "small")
         large = bench_large(args, Path(tmp)) if args.large_kb_case else {}
-    lat.sort()
+    rate, lat = run.rate, sorted(run.latencies)
     p50 = lat[len(lat) // 2] * 1000 if lat else float("nan")
     p99 = lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1000 if lat else float("nan")
-    print(f"durable broker: {rate:,.0f} traj/s (fsync={args.fsync}), ACK p50 {p50:.1f} ms, p99 {p99:.1f} ms",
-          flush=True)
+    print(f"durable broker: {rate:,.0f} traj/s (fsync={args.fsync}), ACK p50 {p50:.1f} ms, p99 {p99:.1f} ms "
+          f"(CPU s per 10k: {run.cpu_line(n)})", flush=True)
+    cpu = {f"cpu_s_per_10k_{case}_{side}": round(v * 10_000 / n, 3)
+           for case, r in (("raw1", raw1_run), ("broker", run)) for side, v in r.cpu.items()}
     print(json.dumps({"broker_traj_per_s": round(rate), "raw_zmq_traj_per_s": round(raw),
                       "ratio": round(rate / raw, 3), "raw_zmq_per_message_traj_per_s": round(raw1),
                       "ratio_to_per_message": round(rate / raw1, 3), "p50_ack_ms": round(p50, 2),
                       "p99_ack_ms": round(p99, 2),
                       "producers": args.producers, "per_put": args.per_put, "fsync": args.fsync,
-                      "trajectories": args.per_producer * args.producers, **large}))
-
+                      "trajectories": n, **cpu, **large}))
 
 if __name__ == "__main__":
     main()
