@@ -1,8 +1,7 @@
 """The broker's segment log: trajectory payloads in append-only files, `segments/NNNNNNNN.seg`.
 
-The loop places each payload (`place`), the writer's appending thread
-writes runs of them where they were placed (`write`), its recording thread
-makes everything written so far durable (`sync`), and reads check each
+The loop places each payload (`place`), the writer thread writes runs of
+them where they were placed and syncs (`write`), and reads check each
 payload against the CRC the catalogue recorded (`read`). Bytes written but
 never recorded in the catalogue are unreachable garbage; each start opens a
 new segment past them.
@@ -11,7 +10,6 @@ new segment past them.
 from __future__ import annotations
 
 import os
-import threading
 import zlib
 from pathlib import Path
 
@@ -24,12 +22,7 @@ class SegmentLog:
         self.segment_bytes = segment_bytes
         existing = [int(p.stem) for p in self.dir.glob("*.seg")]
         self.segment, self.offset = max(existing, default=-1) + 1, 0
-        # Write descriptors stay open until a sync has covered them: the recording thread syncs (and then
-        # closes) what the appending thread wrote, which by then may have moved on to a later segment.
-        self._lock = threading.Lock()
-        self._writers: dict[int, int] = {}  # segment -> descriptor
-        self._dirty: set[int] = set()  # segments written since the last sync
-        self._newest = -1  # the newest segment opened for writing; older ones are never written again
+        self._wfd: tuple[int, int] | None = None
         self._readers: dict[int, int] = {}
 
     def _path(self, segment: int) -> Path:
@@ -47,7 +40,7 @@ class SegmentLog:
         return where
 
     def write(self, runs: dict[int, list[tuple[int, list[memoryview]]]]) -> None:
-        """Write each run (offset, payloads back to back) into its segment; `sync` makes it durable.
+        """Write each run (offset, payloads back to back) into its segment, then sync (writer thread).
 
         Each run goes where it was placed, not wherever the file ends: bytes of a failed write
         (ENOSPC, EIO) are then unreferenced garbage, and what was placed after them still lands at
@@ -57,27 +50,16 @@ class SegmentLog:
             fd = self._writer_fd(segment)
             for offset, payloads in segment_runs:
                 _write_all(fd, payloads, offset)
-
-    def sync(self) -> None:
-        """Make every write that returned before this call durable (with fsync on), then close the
-        segments no later write can touch."""
-        with self._lock:
-            dirty, self._dirty = [self._writers[s] for s in self._dirty], set()
-        if self.fsync:
-            for fd in dirty:
+            if self.fsync:
                 os.fdatasync(fd)
-        with self._lock:
-            for segment in [s for s in self._writers if s < self._newest and s not in self._dirty]:
-                os.close(self._writers.pop(segment))
 
     def _writer_fd(self, segment: int) -> int:
-        with self._lock:
-            fd = self._writers.get(segment)
-            if fd is None:
-                fd = self._writers[segment] = os.open(self._path(segment), os.O_WRONLY | os.O_CREAT, 0o644)
-                self._newest = max(self._newest, segment)
-            self._dirty.add(segment)
-            return fd
+        if self._wfd is None or self._wfd[0] != segment:
+            fd = os.open(self._path(segment), os.O_WRONLY | os.O_CREAT, 0o644)  # may fail: the old one stays
+            old, self._wfd = self._wfd, (segment, fd)
+            if old is not None:
+                os.close(old[1])
+        return self._wfd[1]
 
     def read(self, segment: int, offset: int, length: int, crc: int, what: str) -> bytes:
         fd = self._readers.get(segment)
@@ -89,9 +71,9 @@ class SegmentLog:
         return data
 
     def close(self) -> None:
-        for fd in self._writers.values():
-            os.close(fd)
-        self._writers.clear()
+        if self._wfd is not None:
+            os.close(self._wfd[1])
+            self._wfd = None
         for fd in self._readers.values():
             os.close(fd)
         self._readers.clear()

@@ -202,13 +202,7 @@ class Store:
         return job
 
     def write(self, jobs: list[WriteJob]) -> None:
-        """Make the jobs durable in one go: `append`, then `record`."""
-        self.append(jobs)
-        self.record(jobs)
-
-    def append(self, jobs: list[WriteJob]) -> None:
-        """Write the jobs' payloads where they were placed and checksum them (the writer's appending
-        thread); not durable until `record`."""
+        """Append the jobs' payloads, sync them, then commit their metadata (writer thread)."""
         chunks = [chunk for job in jobs for chunk in job.chunks]
         runs: dict[int, list[tuple[int, list[memoryview]]]] = {}  # segment -> (offset, payloads back to back)
         for chunk in sorted(chunks, key=lambda c: (c[0].segment, c[0].offset)):
@@ -222,12 +216,6 @@ class Store:
         for chunk in chunks:
             for traj in chunk:
                 traj.crc = zlib.crc32(traj.data)
-
-    def record(self, jobs: list[WriteJob]) -> None:
-        """Sync every payload appended so far, then commit the jobs' metadata (the writer's recording
-        thread): payload bytes are durable before anything points at them."""
-        self.segments.sync()
-        chunks = [chunk for job in jobs for chunk in job.chunks]
         self.catalog.add_chunks((c[0].segment, c[0].offset, [(t.meta, t.length, t.crc) for t in c]) for c in chunks)
 
     def finish(self, job: WriteJob) -> list[Group]:

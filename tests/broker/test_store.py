@@ -1,5 +1,4 @@
-"""The store's write path under partial writes, failed opens and failed syncs: what was committed stays
-readable, and nothing is reported durable that a failed sync may have dropped.
+"""The store's write path under partial writes and failed opens: what was committed stays readable.
 
 Faults are injected into the store's own system calls (a unit test: the
 real-disk counterpart is the SIGKILL test in test_crash.py).
@@ -9,13 +8,10 @@ from __future__ import annotations
 
 import errno
 import os
-import threading
-import time
 
 import pytest
-import zmq
 
-from rlbus.broker import segments, store as S, writer as W
+from rlbus.broker import segments, store as S
 from tests.conftest import group
 
 
@@ -86,57 +82,3 @@ def test_a_failed_open_at_segment_rollover_keeps_the_writer_usable(tmp_path, mon
     put(store, "d")
     store.close()
     assert reopened(tmp_path) == {f"{g}.{i}": f"payload-of-{g}.{i}".encode() for g in "acd" for i in range(2)}
-
-
-def submit(writer: W.Writer, store: S.Store, gid: str) -> S.WriteJob:
-    job = store.prepare([[(m, p) for m, p in group(gid)]])
-    writer.submit(job)
-    return job
-
-
-def outcomes(writer: W.Writer, n: int, timeout: float = 10.0) -> dict[str, str | None]:
-    """gid -> error (None: durable) of the next n jobs the writer finishes."""
-    done: dict[str, str | None] = {}
-    deadline = time.monotonic() + timeout
-    while len(done) < n and time.monotonic() < deadline:
-        writer.done.poll(100)
-        for job, error in writer.completed():
-            done[job.chunks[0][0].meta["group_id"]] = error
-    return done
-
-
-def test_the_writer_appends_the_next_commit_while_the_last_one_syncs_and_a_failed_sync_fails_both(
-        tmp_path, monkeypatch):
-    """A failed fdatasync may have dropped any page written before it returned: the commit appended
-    meanwhile is refused too, though its own sync would succeed; the next one is stored."""
-    store = S.Store(tmp_path, fsync="group", cache_bytes=0)
-    writer = W.Writer(store, zmq.Context.instance())
-    real, syncing, release = os.fdatasync, threading.Event(), threading.Event()
-
-    def first_sync_blocks_then_fails(fd):
-        if not syncing.is_set():
-            syncing.set()
-            release.wait(10)
-            raise OSError(errno.EIO, "Input/output error")
-        real(fd)
-
-    monkeypatch.setattr(segments.os, "fdatasync", first_sync_blocks_then_fails)
-    try:
-        submit(writer, store, "a")
-        assert syncing.wait(10), "the first commit never reached its sync"
-        submit(writer, store, "b")
-        deadline = time.monotonic() + 10
-        while writer._appended.qsize() == 0 and time.monotonic() < deadline:  # b written beside a's sync
-            time.sleep(0.01)
-        assert writer._appended.qsize() == 1, "the next commit was not appended while the last one synced"
-        release.set()
-        done = outcomes(writer, 2)
-        assert set(done) == {"a", "b"} and all(e and "Input/output error" in e for e in done.values()), done
-        submit(writer, store, "c")
-        assert outcomes(writer, 1) == {"c": None}
-    finally:
-        release.set()
-        writer.stop()
-        writer.done.close(0)
-        store.close()
-    assert reopened(tmp_path) == {"c.0": b"payload-of-c.0", "c.1": b"payload-of-c.1"}
