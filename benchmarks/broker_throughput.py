@@ -167,18 +167,19 @@ def bench_raw(args, mode: str = "raw") -> Run:
     port = pull.bind_to_random_port("tcp://127.0.0.1")
     per_message = args.per_put if mode == "raw" else 1
 
+    used: dict[str, float] = {}
+
     def consume(total: int) -> None:
-        got = 0
+        cpu, got = time.process_time(), 0
         while got < total:
             pull.recv_multipart(copy=False)
             got += per_message
+        used["consumer"] = time.process_time() - cpu
 
-    cpu = time.process_time()
     elapsed, _, producers = run_producers(mode, f"tcp://127.0.0.1:{port}", args, consume)
-    consumer = time.process_time() - cpu
     pull.close(0)
     ctx.term()
-    return Run(args.per_producer * args.producers / elapsed, [], {"producers": producers, "consumer": consumer})
+    return Run(args.per_producer * args.producers / elapsed, [], {"producers": producers, **used})
 
 
 def cpu_seconds(pid: int) -> float:
@@ -188,7 +189,6 @@ def cpu_seconds(pid: int) -> float:
 
 
 def bench_broker(args, data_dir: Path) -> Run:
-
     from rlbus.common import protocol as P
     from rlbus.common.client import BrokerClient
 
@@ -201,21 +201,21 @@ def bench_broker(args, data_dir: Path) -> Run:
         trainer = BrokerClient(address, "trainer", "bench-trainer")
         trainer.start(30)
 
-        def consume(total: int) -> None:
-            got, step = 0, 0
+        used: dict[str, float] = {}
+
+        def consume(total: int) -> None:  # the broker's CPU is counted over the same span as the consumer's
+            broker, cpu, got, step = cpu_seconds(proc.pid), time.process_time(), 0, 0
             while got < total:
                 reply = trainer.request(P.FETCH, {"step": step, "max_groups": 64, "wait_ms": 200}, timeout=60)
                 if reply.command == P.BATCH:
                     got += sum(len(g["trajectories"]) for g in reply.header["groups"])
                     trainer.request(P.COMMIT, {"step": step}, timeout=60)
                     step += 1
+            used.update(broker=cpu_seconds(proc.pid) - broker, consumer=time.process_time() - cpu)
 
-        before, cpu = cpu_seconds(proc.pid), time.process_time()
         elapsed, latencies, producers = run_producers("broker", address, args, consume)
-        used = {"producers": producers, "broker": cpu_seconds(proc.pid) - before,
-                "consumer": time.process_time() - cpu}
         trainer.close()
-        return Run(args.per_producer * args.producers / elapsed, latencies, used)
+        return Run(args.per_producer * args.producers / elapsed, latencies, {"producers": producers, **used})
 
 
 def disk_fdatasync_mb_per_s(directory: Path, write_bytes: int, total_bytes: int) -> float:

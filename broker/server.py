@@ -317,7 +317,7 @@ class Broker:
             return self.reply(peer.identity, msg, P.DONE, {})
         reason, need = self.refusal(batch, version) or ("ahead", 0)
         log.info("lease_wait", peer=peer.name, policy_version=version, reason=reason, need_version=need,
-                 batch_index=batch)
+                 batch_index=batch, trainer_step=self.buffer.trainer_step)
         header = {"reason": reason, "retry_after_s": self.hb / 4 if reason == "ahead" else self.hb}
         if reason == "version":
             header["need_version"] = need

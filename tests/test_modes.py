@@ -89,10 +89,17 @@ def test_one_step_off_policy_rollout_e_plus_1_overlaps_training_step_e(tiny_mode
 
 
 def test_fully_async_explorers_never_wait_for_weights(tiny_model, tmp_path):
+    """No wait by batch index as in lockstep. The one bound of every style still holds: an explorer more than
+    max_staleness versions behind the trainer's step loads newer weights first (it happens when the trainer trains
+    faster than it publishes, as on a loaded machine), so only such waits may appear."""
     run_dir, info = run_preset("fully_async", tiny_model, tmp_path)
+    bound = info["cfg"].sync.max_staleness
+    told = [e for e in events(run_dir, "broker", "lease_wait") if e["reason"] == "version"]
+    assert all(e["policy_version"] < e["trainer_step"] - bound == e["need_version"] for e in told), told
     for name in explorer_names(run_dir):
-        assert not events(run_dir, name, "waiting_for_weights")
-    check_staleness(run_dir, info["cfg"].sync.max_staleness)
+        waits = events(run_dir, name, "waiting_for_weights")
+        assert len(waits) <= sum(e["peer"] == name for e in told), waits
+    check_staleness(run_dir, bound)
 
 
 # The multi-explorer asynchronous preset's ordering is tested on the run tests/test_run_record.py makes of it
