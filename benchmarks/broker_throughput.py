@@ -309,5 +309,6 @@ def main() -> None:
                       "producers": args.producers, "per_put": args.per_put, "fsync": args.fsync,
                       "trajectories": n, **cpu, **large}))
 
+
 if __name__ == "__main__":
     main()
