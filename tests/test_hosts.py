@@ -72,7 +72,10 @@ def test_hosts_that_share_no_files_get_every_version_over_the_network(hosts, tin
     common = ["--set", f"model.path={tiny_model}", "--set", "rollout.repeat=4", "--set", "data.batch_tasks=2",
               "--set", "sync.sync_interval=1", "--set", "sync.sync_offset=1", "--set", "sync.sync_style=async",
               "--set", "broker.heartbeat_interval_s=0.5", "--set", "logging.format=json",
-              "--set", "rollout.dtype=float32", "--set", "rollout.max_tokens=8"]
+              "--set", "rollout.dtype=float32", "--set", "rollout.max_tokens=8",
+              # The tiny random model earns no reward: every group is all-equal, and a trainer that skipped them
+              # would wait algorithm.informative_wait_s (60 s) at every step.
+              "--set", "algorithm.skip_zero_spread=false"]
     procs = {}
 
     def start(role, name, command, *extra):
@@ -94,7 +97,7 @@ def test_hosts_that_share_no_files_get_every_version_over_the_network(hosts, tin
     try:
         start("b", "broker", "broker", "--set", "broker.host=0.0.0.0", "--set", "broker.port=5555",
               "--set", "broker.pub_port=5556")
-        start("t", "trainer", "trainer", "--broker", f"tcp://{at['t'][1]}:5555", "--set", "trainer.total_steps=60",
+        start("t", "trainer", "trainer", "--broker", f"tcp://{at['t'][1]}:5555", "--set", "trainer.total_steps=1000",
               "--set", "trainer.checkpoint_every=0", "--set", "trainer.micro_batch=4",
               "--set", "trainer.fetch_wait_s=1", "--set", f"sync.serve_host={at['t'][0]}")
         explorer("e1", "near")
