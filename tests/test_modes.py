@@ -151,9 +151,13 @@ def test_multi_explorer_async_by_broadcast(tiny_model, tmp_path):
 def test_streaming_explorers_swap_in_flight_one_at_a_time(tiny_model, tmp_path):
     """Three streaming explorers, max_swapping 1: versions are swapped in with requests in flight, trajectories
     that spanned a swap are trained, and no two explorers are ever paused for a load at once."""
-    # Long responses and a loose staleness bound keep the explorers generating when versions arrive.
-    run_dir, info = run_preset("streaming", tiny_model, tmp_path, "launch.explorers=3", "rollout.max_tokens=64",
-                               "sync.max_staleness=8")
+    # The explorers, not the trainer, set the pace, so every version arrives while requests are in flight: one
+    # task in flight per explorer, all three on one core and the trainer on the other. (Where the trainer is the
+    # slower side, the explorers wait at the staleness bound, which the trainer's next step opens at the moment
+    # it publishes; they then load each version with nothing in flight, and the run shows no in-flight swap.)
+    run_dir, info = run_preset("streaming", tiny_model, tmp_path, "launch.explorers=3", "rollout.max_tokens=128",
+                               "explorer.inflight_tasks=1", 'launch.trainer_cpus="0"',
+                               'launch.explorer_cpus=["1", "1", "1"]')
     names = explorer_names(run_dir)
     assert len(names) == 3 and all(events(run_dir, n, "explorer_groups") for n in names)
     loads = [(e["ts"] - e["seconds"], e["ts"], name, e["in_flight"]) for name in names
