@@ -3,11 +3,11 @@
     .venv/bin/python benchmarks/streaming.py [--trainer paced|real] [--steps N] [--model smollm2-135m]
                                              [--workloads even,uneven]
 
-Each workload runs the presets `multi_explorer_async` and `streaming` (with
-`explorer.swap_kv` recompute; keep as `streaming_keep`; keep with
-`explorer.swap_lag: 2`, a swap every second version, as
-`streaming_keep_lag2`), which differ
-only in how the explorers work, with benchmarks/modes.py's
+Each workload runs the presets `multi_explorer_async` and `streaming` (as
+shipped: `explorer.swap_kv: keep`, `explorer.swap_lag: 2`, a swap every
+second version; with a swap per version as `streaming_keep`, and with the
+KV recomputed at each as `streaming_recompute`), which differ only in how
+the explorers work, with benchmarks/modes.py's
 settings (SmolLM2-135M, 4 prompts x 8 samples per step, every step the same
 work). Workloads:
 
@@ -61,8 +61,8 @@ WORKLOADS = {
 }
 # name: (preset, settings beside it)
 MODES = {"multi_explorer_async": ("multi_explorer_async", ()), "streaming": ("streaming", ()),
-         "streaming_keep": ("streaming", ("explorer.swap_kv=keep",)),
-         "streaming_keep_lag2": ("streaming", ("explorer.swap_kv=keep", "explorer.swap_lag=2"))}
+         "streaming_keep": ("streaming", ("explorer.swap_lag=1",)),
+         "streaming_recompute": ("streaming", ("explorer.swap_kv=recompute", "explorer.swap_lag=1"))}
 SETTINGS = ["trainer.checkpoint_every=0", "explorer.eval_every=0", "algorithm.fill_batch=false", "data.batch_tasks=4",
             "rollout.repeat=8", "explorer.tasks_per_lease=4", "rollout.max_tokens=24",
             "algorithm.skip_zero_spread=false", "logging.format=json"]
@@ -175,11 +175,11 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="keep the run directories (printed)")
     parser.add_argument("--explorers", type=int, default=2, help="explorers per run (paced trainer)")
     parser.add_argument("--smoke", action="store_true",
-                        help="3 steps of the even workload, streaming_keep, one explorer: checks that it runs (the "
+                        help="3 steps of the even workload, streaming, one explorer: checks that it runs (the "
                              "batch baseline is the same run with another preset)")
     args = parser.parse_args()
     if args.smoke:
-        args.workloads, args.modes, args.steps, args.warmup, args.explorers = "even", "streaming_keep", 3, 1, 1
+        args.workloads, args.modes, args.steps, args.warmup, args.explorers = "even", "streaming", 3, 1, 1
     root = Path(tempfile.mkdtemp(prefix="rlbus-streaming-"))
     results: dict = {}
     for workload in args.workloads.split(","):
