@@ -151,7 +151,7 @@ def test_multi_explorer_async_by_broadcast(tiny_model, tmp_path):
 def test_streaming_explorers_swap_in_flight_one_at_a_time(tiny_model, tmp_path):
     """Three streaming explorers, max_swapping 1: versions are swapped in with requests in flight, trajectories
     that spanned a swap are trained, and no two explorers are ever paused for a load at once."""
-    # The explorers, not the trainer, set the pace, so every version arrives while requests are in flight: one
+    # The explorers, not the trainer, set the pace, so versions arrive while requests are in flight: one
     # task in flight per explorer, all three on one core and the trainer on the other. (Where the trainer is the
     # slower side, the explorers wait at the staleness bound, which the trainer's next step opens at the moment
     # it publishes; they then load each version with nothing in flight, and the run shows no in-flight swap.)
