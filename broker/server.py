@@ -136,10 +136,11 @@ class Broker:
         puts: list[tuple[bytes, P.Message]] = []
         for _ in range(PUT_DRAIN):
             try:
-                frames = self.router.recv_multipart(zmq.NOBLOCK, copy=True)
+                frames = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
-            identity, body = frames[0], frames[1:]
+            # Identity, protocol, command and header as bytes; payloads stay in ZeroMQ's buffers, as views.
+            identity, body = frames[0].bytes, [f.bytes for f in frames[1:4]] + [f.buffer for f in frames[4:]]
             try:
                 msg = P.decode(body, self.cfg.broker.max_message_bytes)
                 P.validate(msg)

@@ -19,14 +19,13 @@ back.
 
 from __future__ import annotations
 
-import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from rlbus.broker.catalog import Catalog
-from rlbus.broker.segments import SegmentLog
+from rlbus.broker.segments import SegmentLog, crc32
 
 # Group states. FILLING and READY are derived from how many samples are
 # stored; the others are recorded in the batches and retired tables.
@@ -68,10 +67,7 @@ class Group:
     state: int = FILLING
     step: int | None = None
     trajs: list[Traj] = field(default_factory=list)
-
-    @property
-    def min_version(self) -> int:
-        return min(t.policy_version for t in self.trajs)
+    min_version: int = 0  # of its trajectories (kept by `Store._attach`): FETCH checks staleness by it
 
     @property
     def zero_spread(self) -> bool:
@@ -177,6 +173,7 @@ class Store:
         count as pending until then, so a resend cannot be stored twice.
         """
         job = WriteJob()
+        self.segments.align()
         for items in batches:
             self.segments.start_chunk()
             chunk = []
@@ -215,7 +212,7 @@ class Store:
         self.segments.write(runs)
         for chunk in chunks:
             for traj in chunk:
-                traj.crc = zlib.crc32(traj.data)
+                traj.crc = crc32(traj.data)
         self.catalog.add_chunks((c[0].segment, c[0].offset, [(t.meta, t.length, t.crc) for t in c]) for c in chunks)
 
     def finish(self, job: WriteJob) -> list[Group]:
@@ -257,8 +254,9 @@ class Store:
             group = self.groups.get(meta["group_id"])
             if group is None:
                 group = self.groups[meta["group_id"]] = Group(meta["group_id"], meta["batch_index"],
-                                                              meta["group_size"])
+                                                              meta["group_size"], min_version=traj.policy_version)
             group.trajs.append(traj)
+            group.min_version = min(group.min_version, traj.policy_version)
             touched[group.group_id] = group
             self.ids.add(traj.id)
         self.counts["stored"] += len(trajs)

@@ -101,15 +101,24 @@ def brief(value: Any) -> str:
     return _brief.repr(value)
 
 
+_NESTING = frozenset((dict, list))
+
+
 def too_deep(obj: Any, limit: int = MAX_DEPTH) -> bool:
-    """Whether maps and lists nest deeper than `limit` (iteratively: no recursion a peer can exhaust)."""
-    stack = [(obj, 1)]
-    while stack:
-        item, depth = stack.pop()
+    """Whether maps and lists nest deeper than `limit` (level by level: no recursion a peer can exhaust).
+
+    A container whose values are all scalars, like each trajectory of a PUT, is passed over by one
+    C-level scan of its value types."""
+    level, depth = [obj], 1
+    while level:
         if depth > limit:
             return True
-        children = item.values() if type(item) is dict else item
-        stack.extend((c, depth + 1) for c in children if type(c) in (dict, list))
+        deeper = []
+        for item in level:
+            children = item.values() if type(item) is dict else item
+            if not _NESTING.isdisjoint(map(type, children)):
+                deeper.extend(c for c in children if type(c) in _NESTING)
+        level, depth = deeper, depth + 1
     return False
 
 

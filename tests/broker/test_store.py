@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import errno
 import os
+import random
+import zlib
 
 import pytest
 
@@ -40,28 +42,78 @@ def test_empty_payloads_are_stored_and_read_back(tmp_path):
     assert reopened(tmp_path) == {"e.0": b"", "e.1": b"", "f.0": b"payload-of-f.0", "f.1": b"payload-of-f.1"}
 
 
-def test_a_failed_write_leaves_earlier_and_later_data_intact(tmp_path, monkeypatch):
-    """A write that fails half way (ENOSPC) is refused; the next writes land where their metadata says."""
-    store = S.Store(tmp_path, cache_bytes=0)
+@pytest.mark.parametrize("fsync, call", [("group", "pwrite"), ("off", "pwritev")])
+def test_a_failed_write_leaves_earlier_and_later_data_intact(tmp_path, monkeypatch, fsync, call):
+    """A write that fails half way (ENOSPC) is refused; the next writes land where their metadata says.
+
+    With fsync the segment log writes directly (os.pwrite of aligned blocks), without it through the
+    page cache (os.pwritev)."""
+    store = S.Store(tmp_path, fsync=fsync, cache_bytes=0)
+    assert store.segments.direct == (fsync == "group")
     put(store, "before")
-    real = os.pwritev
+    real = getattr(os, call)
     calls = {"n": 0}
 
-    def half_then_fail(fd, buffers, offset):
+    def half_then_fail(fd, data, offset):
         calls["n"] += 1
-        real(fd, [bytes(buffers[0])[:3]], offset)  # a partial append...
+        if call == "pwritev":
+            real(fd, [bytes(data[0])[:3]], offset)  # a partial append...
+        else:
+            real(fd, data[:segments.ALIGN], offset)  # a first block...
         raise OSError(errno.ENOSPC, "No space left on device")  # ...then the disk is full
 
-    monkeypatch.setattr(segments.os, "pwritev", half_then_fail)
+    monkeypatch.setattr(segments.os, call, half_then_fail)
     with pytest.raises(OSError):
         put(store, "lost")
-    monkeypatch.setattr(segments.os, "pwritev", real)
+    monkeypatch.setattr(segments.os, call, real)
     assert calls["n"] == 1
     put(store, "after")
     assert set(readable(store)) == {"before.0", "before.1", "after.0", "after.1"}
     store.close()
     assert reopened(tmp_path) == {f"{g}.{i}": f"payload-of-{g}.{i}".encode() for g in ("before", "after")
                                   for i in range(2)}
+
+
+def test_direct_writes_keep_every_payload_of_several_group_commits_in_one_write(tmp_path, monkeypatch):
+    """Odd-sized payloads, three jobs written together, a run larger than the staging buffer: each job
+    starts on a block boundary, the file grows in whole blocks, every payload reads back whole."""
+    monkeypatch.setattr(segments, "STAGE_BYTES", 4 * segments.ALIGN)  # force runs through several pieces
+    store = S.Store(tmp_path, cache_bytes=0)
+    assert store.segments.direct
+    rng = random.Random(7)
+    expected, jobs = {}, []
+    for j, sizes in enumerate([[1, 4095, 4097], [0, 3], [5 * segments.ALIGN + 11, 17]]):
+        items = []
+        for i, (meta, _) in enumerate(group(f"j{j}", size=len(sizes))):
+            expected[meta["id"]] = payload = rng.randbytes(sizes[i])
+            items.append((meta, payload))
+        jobs.append(store.prepare([items]))
+    store.write(jobs)
+    for job in jobs:
+        assert job.chunks[0][0].offset % segments.ALIGN == 0
+        store.finish(job)
+    path = next((tmp_path / "segments").glob("*.seg"))
+    assert path.stat().st_size % segments.ALIGN == 0
+    assert readable(store) == expected
+    store.close()
+    assert reopened(tmp_path) == expected
+
+
+def test_a_filesystem_without_direct_writes_gets_buffered_ones(tmp_path, monkeypatch):
+    real = os.open
+
+    def no_direct(path, flags, *args):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(path, flags, *args)
+
+    monkeypatch.setattr(segments.os, "open", no_direct)
+    store = S.Store(tmp_path, cache_bytes=0)
+    put(store, "a")
+    assert not store.segments.direct
+    put(store, "b")
+    store.close()
+    assert reopened(tmp_path) == {f"{g}.{i}": f"payload-of-{g}.{i}".encode() for g in "ab" for i in range(2)}
 
 
 def test_a_failed_open_at_segment_rollover_keeps_the_writer_usable(tmp_path, monkeypatch):
@@ -82,3 +134,12 @@ def test_a_failed_open_at_segment_rollover_keeps_the_writer_usable(tmp_path, mon
     put(store, "d")
     store.close()
     assert reopened(tmp_path) == {f"{g}.{i}": f"payload-of-{g}.{i}".encode() for g in "acd" for i in range(2)}
+
+
+def test_payload_checksums_are_zlibs_crc32():
+    """Segments written with zlib's crc32 read back: the checksum's values must never change."""
+    rng = random.Random(3)
+    for size in (0, 1, 63, 4096, 8872, 1 << 18):
+        data = rng.randbytes(size)
+        assert segments.crc32(data) == zlib.crc32(data)
+        assert segments.crc32(memoryview(data)[1:]) == zlib.crc32(data[1:])
