@@ -52,6 +52,9 @@ from rlbus.weights.sync import Sender, make_sender
 
 log = structlog.get_logger()
 
+# Versions being written or waiting to be: at this many, training waits for the oldest to be published.
+MAX_PENDING_PUBLISHES = 2
+
 
 class Trainer(Learner):
     """The trainer process: a Learner fed by the broker, publishing its weights."""
@@ -165,6 +168,13 @@ class Trainer(Learner):
         """Snapshot the weights now; write, digest and PUBLISH them on the publishing thread, in order.
         Sharded, every rank calls this: each copies its shards now, and the publishing threads gather them."""
         self._check_publishes()
+        if len(self._publishes) >= MAX_PENDING_PUBLISHES:
+            # Each waiting version holds a copy of the weights, and a trainer that outpaces its publishing
+            # would run ever further ahead of what explorers can load: wait for the oldest to go out.
+            log.info("publish_backlog_wait", policy_version=version, pending=len(self._publishes))
+            while len(self._publishes) >= MAX_PENDING_PUBLISHES:
+                self._publishes[0].result()
+                self._check_publishes()
         if self.gathered is not None:
             frozen = self.gathered.freeze()
             if not self.main:

@@ -72,7 +72,6 @@ def test_trainer_steps_publish_and_published_weights_match_in_transformers_and_v
     weights = tmp_path / "run" / "weights" / "v2"
     assert (weights / "config.json").exists() and (weights / "tokenizer.json").exists()
     ids = torch.tensor([[1, 5, 9, 200, 31, 7, 42, 8]])
-    att = torch.ones_like(ids)
     trainer.model.eval()
     with torch.no_grad():
         mine = trainer.model(ids).logits
@@ -208,3 +207,50 @@ def test_batch_loss_denominator_counts_the_all_equal_groups_left_out(tiny_model,
     assert grads["batch", 0] == (pytest.approx(loss, rel=1e-5), pytest.approx(norm, rel=1e-4)), "nothing skipped"
     assert grads["batch", 20][0] == pytest.approx(loss * 12 / 32, rel=1e-5)
     assert grads["batch", 20][1] == pytest.approx(norm * 12 / 32, rel=1e-4)
+
+
+def test_training_waits_while_two_versions_are_still_to_be_published(broker_factory, clients, tiny_model, tmp_path):
+    """A trainer that outpaces its publishing holds at most two versions back (each a copy of the weights):
+    with the first publish held, steps 0 and 1 train, step 2 waits, and goes on once it is released."""
+    import threading
+
+    from rlbus.trainer.main import MAX_PENDING_PUBLISHES, Trainer
+
+    assert MAX_PENDING_PUBLISHES == 2
+    b = broker_factory("sync.sync_style=async", "sync.max_staleness=8", "rollout.repeat=4", "data.batch_tasks=2")
+    ex = clients(b, "explorer", "feeder")
+    for g in range(8):
+        ex.put(synthetic(f"g{g}", batch=g // 2), timeout=10)
+    cfg = trainer_config(b, tmp_path, "sync.sync_style=async", "sync.max_staleness=8", "trainer.total_steps=4")
+    trainer = Trainer(cfg, tiny_model)
+    sender, gate, order = trainer.publisher, threading.Event(), []
+
+    class HeldFirst:  # the real sender, its first publish held until the test lets it go
+        def __getattr__(self, name):
+            return getattr(sender, name)
+
+        def publish(self, snapshot, version, step):
+            if version == 1:
+                gate.wait(60)
+            return sender.publish(snapshot, version, step)
+
+    trainer.publisher = HeldFirst()
+    done = []
+    runner = threading.Thread(target=lambda: done.append(trainer.run()))
+    with capture_logs() as logs:
+        runner.start()
+        try:
+            for _ in range(600):
+                if any(e["event"] == "publish_backlog_wait" for e in logs):
+                    break
+                runner.join(0.1)
+            order = [e["event"] if e["event"] != "train_step" else e["step"] for e in logs
+                     if e["event"] in ("train_step", "publish_backlog_wait")]
+        finally:
+            gate.set()
+            runner.join(120)
+    assert order == [0, 1, "publish_backlog_wait"], order
+    wait = next(e for e in logs if e["event"] == "publish_backlog_wait")
+    assert (wait["policy_version"], wait["pending"]) == (3, 2)
+    assert done == [4] and [e["step"] for e in logs if e["event"] == "train_step"] == [0, 1, 2, 3]
+    assert all((tmp_path / "run" / "weights" / f"v{v}").exists() for v in (2, 3, 4))
