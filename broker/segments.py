@@ -39,12 +39,11 @@ Run = tuple[int, list[memoryview]]  # (offset, payloads back to back from there)
 
 
 class SegmentLog:
-    def __init__(self, directory: str | Path, fsync: bool, segment_bytes: int, direct: bool | None = None):
-        """`direct`: write with O_DIRECT (default: when `fsync` is on, and the filesystem allows it)."""
+    def __init__(self, directory: str | Path, fsync: bool, segment_bytes: int):
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.fsync = fsync
-        self.direct = fsync if direct is None else direct
+        self.direct = fsync  # O_DIRECT writes, until the filesystem refuses them
         self.segment_bytes = segment_bytes
         existing = [int(p.stem) for p in self.dir.glob("*.seg")]
         self.segment, self.offset = max(existing, default=-1) + 1, 0
@@ -101,18 +100,21 @@ class SegmentLog:
             except OSError as exc:
                 if not self.direct or exc.errno != errno.EINVAL:
                     raise
-                self.direct = False
-                log.warning("segment_direct_io_unavailable", dir=str(self.dir), error=str(exc))
+                self._direct_refused(str(exc))
                 fd = os.open(self._path(segment), flags, 0o644)
             old, self._wfd = self._wfd, (segment, fd)
             if old is not None:
                 os.close(old[1])
         return self._wfd[1]
 
-    def _buffered_from_now(self, segment: int, why: str) -> int:
-        """The filesystem took O_DIRECT at open but not at write: reopen buffered and stay so."""
+    def _direct_refused(self, why: str) -> None:
+        """This filesystem has no O_DIRECT: buffered writes from now on, said once."""
         log.warning("segment_direct_io_unavailable", dir=str(self.dir), error=why)
         self.direct = False
+
+    def _buffered_from_now(self, segment: int, why: str) -> int:
+        """The filesystem took O_DIRECT at open but not at write: reopen buffered and stay so."""
+        self._direct_refused(why)
         if self._wfd is not None:
             os.close(self._wfd[1])
             self._wfd = None
