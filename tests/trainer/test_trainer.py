@@ -49,19 +49,27 @@ def trainer_config(b, tmp_path, *sets):
                               "trainer.fetch_wait_s=1", "rollout.dtype=float32", *sets], environ={})
 
 
+def fed_trainer(broker_factory, clients, tiny_model, tmp_path, groups: int, staleness: int, steps: int):
+    """An async trainer on a real broker already holding `groups` groups (two per batch index)."""
+    from rlbus.trainer.main import Trainer
+
+    b = broker_factory("sync.sync_style=async", f"sync.max_staleness={staleness}", "rollout.repeat=4",
+                       "data.batch_tasks=2")
+    ex = clients(b, "explorer", "feeder")
+    for g in range(groups):
+        ex.put(synthetic(f"g{g}", batch=g // 2), timeout=10)
+    cfg = trainer_config(b, tmp_path, "sync.sync_style=async", f"sync.max_staleness={staleness}",
+                         f"trainer.total_steps={steps}")
+    return Trainer(cfg, tiny_model)
+
+
 def test_trainer_steps_publish_and_published_weights_match_in_transformers_and_vllm(
         broker_factory, clients, tiny_model, engine, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from rlbus.trainer.main import Trainer
     from rlbus.trainer.model import token_logprobs
 
-    b = broker_factory("sync.sync_style=async", "sync.max_staleness=4", "rollout.repeat=4", "data.batch_tasks=2")
-    ex = clients(b, "explorer", "feeder")
-    for g in range(4):
-        ex.put(synthetic(f"g{g}", batch=g // 2), timeout=10)
-    cfg = trainer_config(b, tmp_path, "sync.sync_style=async", "sync.max_staleness=4", "trainer.total_steps=2")
-    trainer = Trainer(cfg, tiny_model)
+    trainer = fed_trainer(broker_factory, clients, tiny_model, tmp_path, groups=4, staleness=4, steps=2)
     before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     with capture_logs() as logs:
         assert trainer.run() == 2
@@ -214,15 +222,10 @@ def test_training_waits_while_two_versions_are_still_to_be_published(broker_fact
     with the first publish held, steps 0 and 1 train, step 2 waits, and goes on once it is released."""
     import threading
 
-    from rlbus.trainer.main import MAX_PENDING_PUBLISHES, Trainer
+    from rlbus.trainer.main import MAX_PENDING_PUBLISHES
 
     assert MAX_PENDING_PUBLISHES == 2
-    b = broker_factory("sync.sync_style=async", "sync.max_staleness=8", "rollout.repeat=4", "data.batch_tasks=2")
-    ex = clients(b, "explorer", "feeder")
-    for g in range(8):
-        ex.put(synthetic(f"g{g}", batch=g // 2), timeout=10)
-    cfg = trainer_config(b, tmp_path, "sync.sync_style=async", "sync.max_staleness=8", "trainer.total_steps=4")
-    trainer = Trainer(cfg, tiny_model)
+    trainer = fed_trainer(broker_factory, clients, tiny_model, tmp_path, groups=8, staleness=8, steps=4)
     sender, gate, order = trainer.publisher, threading.Event(), []
 
     class HeldFirst:  # the real sender, its first publish held until the test lets it go
