@@ -182,17 +182,19 @@ class Engine:
             try:
                 info = self.llm.collective_rpc("rlbus_reload", args=(source,))[0]
                 engine.set_weight_version(str(version))
-                self.version = version
                 if self.swap_kv == "recompute":
                     # No later token may come from KV that the old weights computed: empty the prefix cache and
                     # send the running requests back to be recomputed (prompt and tokens so far) under the new.
                     engine.reset_prefix_cache(reset_running_requests=True)
+                seconds = round(time.monotonic() - started, 3)
+                # How this version arrived is set before the version itself: a thread that sees the new version
+                # (the explorer's loop, a status reader) never sees the previous version's load beside it.
+                self.last_load = {"version": version, "method": source["method"], "seconds": seconds,
+                                  "in_flight": len(self._requests)}
+                self.version = version
             finally:
                 engine.wake_up(tags=["scheduling"])
         self.paused_s += time.monotonic() - started
-        seconds = round(time.monotonic() - started, 3)
-        self.last_load = {"version": version, "method": source["method"], "seconds": seconds,
-                          "in_flight": len(self._requests)}
         where = ({"epoch": source["announcement"]["epoch"]} if source["method"] == "nccl"
                  else {"path": source.get("path")})
         metrics.emit("weights_loaded", policy_version=version, method=source["method"], seconds=seconds, **where,

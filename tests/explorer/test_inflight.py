@@ -3,6 +3,7 @@ sampled by the weights its version says, and a streaming explorer PUTs every gro
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
@@ -85,6 +86,33 @@ def test_after_a_reload_no_token_comes_from_the_old_weights_prefix_cache(engine,
     (s,), = engine.generate([prompt], n=1, max_tokens=12)
     assert s.versions == [(0, 1)]
     assert np.abs(np.asarray(s.logprobs) - reference_logprobs(v1, prompt, s.token_ids)).max() < TOLERANCE
+
+
+def test_a_thread_that_sees_the_new_version_sees_how_it_arrived(engine, v1, restore):
+    """The explorer's loop and the tests read `version` and then `last_load` from other threads: the load's record
+    must be in place before the version it describes shows."""
+    seen: list[tuple[int, dict]] = []
+    stop, before = threading.Event(), engine.version
+
+    def watch():
+        last, done = before, False
+        while not done:
+            done = stop.is_set()  # one more look after the reload returned, however the threads were scheduled
+            if engine.version != last:
+                last = engine.version
+                seen.append((last, dict(engine.last_load)))
+
+    watcher = threading.Thread(target=watch)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # the threads take turns every few bytecodes: a window between the two is seen
+    watcher.start()
+    try:
+        engine.reload(checkpoint_source(str(v1)), 1)
+    finally:
+        stop.set()
+        watcher.join()
+        sys.setswitchinterval(interval)
+    assert [(v, load.get("version"), load.get("method")) for v, load in seen] == [(1, 1, "checkpoint")]
 
 
 def test_generate_leaves_other_requests_in_flight_to_their_owner(engine):
