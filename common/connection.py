@@ -104,7 +104,10 @@ class Connection:
                     self._take_outbox()
                 if self.sock in events:
                     while self.sock.poll(0):
-                        self._on_message(self.sock.recv_multipart())
+                        frames = self.sock.recv_multipart(copy=False)
+                        # Protocol, command and header as bytes; payloads (a BATCH's trajectories) stay in
+                        # ZeroMQ's buffers, as read-only views that live as long as the reply does.
+                        self._on_message([f.bytes for f in frames[:3]] + [f.buffer for f in frames[3:]])
                 if self.sub is not None and self.sub in events:
                     while self.sub.poll(0):
                         self._on_bus(self.sub.recv_multipart())
@@ -167,7 +170,7 @@ class Connection:
             self._pending[request.req] = request
             self._send(request.command, request.header, request.payloads)
 
-    def _on_message(self, frames: list[bytes]) -> None:
+    def _on_message(self, frames: list[bytes | memoryview]) -> None:
         self._last_recv = time.monotonic()
         try:
             msg = P.decode(frames, max_header_bytes=P.MAX_REPLY_HEADER_BYTES)

@@ -44,7 +44,7 @@ def encode_payload(arrays: dict[str, np.ndarray], extra: dict[str, Any] | None =
     return pack(body)
 
 
-def decode_payload(frame: bytes) -> dict[str, Any]:
+def decode_payload(frame: bytes | memoryview) -> dict[str, Any]:
     """Inverse of encode_payload: encoded arrays come back as numpy arrays (read-only views)."""
     body = unpack(frame)
     if not isinstance(body, dict) or body.get("v") != PAYLOAD_VERSION:

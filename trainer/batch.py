@@ -107,7 +107,7 @@ def decode_batch(reply: P.Message, vocab_size: int, temperature: float | None = 
     for meta, frame in zip(metas, P.split_payloads(metas, reply.payloads)):
         try:
             traj = msgspec.convert(meta, Trajectory, strict=True)
-            body = decode_payload(bytes(frame))
+            body = decode_payload(frame)
         except msgspec.ValidationError as exc:  # a broker of this protocol stores none such: say so, go on
             reason = f"metadata: {exc}"
         except Exception as exc:  # a payload that does not decode is one bad trajectory, not a dead trainer

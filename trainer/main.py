@@ -114,8 +114,9 @@ class Trainer(Learner):
         published = self._publish_due()
         every = self.cfg.trainer.checkpoint_every
         saves = every > 0 and (self.step + 1) % every == 0
-        self._tell(Plan("train", self.step, published, saves, [bytes(f) for f in P.encode(
-            reply.command, reply.header, reply.payloads)]))
+        if self.world is not None:  # the other ranks train on the same batch: a copy of its frames goes to them
+            self._tell(Plan("train", self.step, published, saves, [bytes(f) for f in P.encode(
+                reply.command, reply.header, reply.payloads)]))
         compute_started = time.monotonic()
         batch, metrics = self.train_reply(reply)
         compute_s = time.monotonic() - compute_started
