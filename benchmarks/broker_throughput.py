@@ -10,13 +10,16 @@ A second case stores large trajectories (256 KB of opaque payload each,
 `--large-kb`) and compares the broker's durable MB/s with this disk's own
 sequential write rate with one fdatasync per write (the better of writes the
 size of one PUT and of every PUT in flight at once: the largest group commit),
-measured in the same run in the same directory.
+measured in the same run in the same directory, and with the same messages
+relayed by a bare ZeroMQ process (PULL to PUSH, nothing stored): the two
+socket hops every trajectory makes through the broker, on the same cores.
 
     python benchmarks/broker_throughput.py [--quick] [--producers P]
 
 The last line printed is one JSON object: broker_traj_per_s,
 raw_zmq_traj_per_s, ratio, ratio_to_per_message, p50_ack_ms, p99_ack_ms,
-large_mb_per_s, disk_fdatasync_mb_per_s, large_ratio_to_disk, the CPU
+large_mb_per_s, disk_fdatasync_mb_per_s, large_ratio_to_disk,
+large_relay_mb_per_s, large_ratio_to_relay, the CPU
 seconds per 10,000 trajectories of each side (producers, broker, consumer)
 in the one-per-message ZeroMQ case and through the broker, and the
 settings. On a machine with few cores every side competes for them: the
@@ -182,6 +185,56 @@ def bench_raw(args, mode: str = "raw") -> Run:
     return Run(args.per_producer * args.producers / elapsed, [], {"producers": producers, **used})
 
 
+def relay(inbound: int, outbound: int, messages: int, results) -> None:
+    """A bare ZeroMQ hop: what a broker that stored nothing and checked nothing would cost."""
+    import zmq
+
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    pull.bind(f"tcp://127.0.0.1:{inbound}")
+    push.bind(f"tcp://127.0.0.1:{outbound}")
+    results.put("ready")
+    cpu = time.process_time()
+    for _ in range(messages):
+        push.send_multipart(pull.recv_multipart(copy=False), copy=False)
+    push.close(linger=-1)
+    pull.close(0)
+    ctx.term()
+    results.put(time.process_time() - cpu)
+
+
+def bench_relay(args) -> Run:
+    """Producers -> a relay process -> the consumer, over ZeroMQ with nothing stored: the two hops every
+    trajectory makes through the broker, and nothing else."""
+    import zmq
+
+    inbound, outbound = free_port(), free_port()
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    hop = ctx.Process(target=relay, args=(inbound, outbound, args.per_producer * args.producers // args.per_put,
+                                          results))
+    hop.start()
+    results.get(timeout=60)
+    zctx = zmq.Context()
+    pull = zctx.socket(zmq.PULL)
+    pull.connect(f"tcp://127.0.0.1:{outbound}")
+    used: dict[str, float] = {}
+
+    def consume(total: int) -> None:
+        cpu, got = time.process_time(), 0
+        while got < total:
+            pull.recv_multipart(copy=False)
+            got += args.per_put
+        used["consumer"] = time.process_time() - cpu
+
+    elapsed, _, producers = run_producers("raw", f"tcp://127.0.0.1:{inbound}", args, consume)
+    used["relay"] = results.get(timeout=60)
+    hop.join(30)
+    pull.close(0)
+    zctx.term()
+    return Run(args.per_producer * args.producers / elapsed, [], {"producers": producers, **used})
+
+
 def cpu_seconds(pid: int) -> float:
     """User and system CPU seconds of a process so far (Linux: /proc/PID/stat)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
@@ -257,14 +310,20 @@ def bench_large(args, data_dir: Path) -> dict:
     raw = raw_run.rate * (big.large_kb << 10) / 1e6
     print(f"raw zmq push/pull, the same {big.large_kb} KB PUT messages: {raw:,.1f} MB/s "
           f"(CPU s per 10k: {raw_run.cpu_line(n)})", flush=True)
+    relay_run = bench_relay(big)
+    relayed = relay_run.rate * (big.large_kb << 10) / 1e6
+    print(f"raw zmq through a relay process (two hops, nothing stored): {relayed:,.1f} MB/s "
+          f"(CPU s per 10k: {relay_run.cpu_line(n)})", flush=True)
     run = bench_broker(big, data_dir / "large")
     rate = run.rate
     mb = rate * (big.large_kb << 10) / 1e6
     print(f"durable broker, {big.large_kb} KB trajectories: {rate:,.1f} traj/s = {mb:,.1f} MB/s "
-          f"({mb / disk:.2f} of the disk; CPU s per 10k: {run.cpu_line(n)})", flush=True)
+          f"({mb / disk:.2f} of the disk, {mb / relayed:.2f} of the relay; CPU s per 10k: {run.cpu_line(n)})",
+          flush=True)
     return {"large_kb": big.large_kb, "large_traj_per_s": round(rate, 1), "large_mb_per_s": round(mb, 1),
             "disk_fdatasync_mb_per_s": round(disk, 1), "large_ratio_to_disk": round(mb / disk, 3),
-            "large_raw_zmq_mb_per_s": round(raw, 1), "large_ratio_to_raw_zmq": round(mb / raw, 3)}
+            "large_raw_zmq_mb_per_s": round(raw, 1), "large_ratio_to_raw_zmq": round(mb / raw, 3),
+            "large_relay_mb_per_s": round(relayed, 1), "large_ratio_to_relay": round(mb / relayed, 3)}
 
 
 def main() -> None:
