@@ -140,7 +140,7 @@ def main() -> None:
         # A seed that never reached 0.9 counts as slower than any that did.
         "median_train_s_to_0_9": round(statistics.median(reached + [float("inf")] * (len(per_seed) - len(reached))), 1)
         if per_seed else None,
-        "median_final_accuracy": statistics.median(f["final_accuracy"] for f in per_seed.values()),
+        "median_final_accuracy": round(statistics.median(f["final_accuracy"] for f in per_seed.values()), 3),
         "seeds_meeting_targets": sum(f["meets_targets"] for f in per_seed.values()),
         "seeds": len(per_seed),
         "trl_train_s_to_0_9": 660.0,
