@@ -214,10 +214,8 @@ def bench_relay(args) -> Run:
     hop = ctx.Process(target=relay, args=(inbound, outbound, args.per_producer * args.producers // args.per_put,
                                           results))
     hop.start()
-    results.get(timeout=60)
     zctx = zmq.Context()
     pull = zctx.socket(zmq.PULL)
-    pull.connect(f"tcp://127.0.0.1:{outbound}")
     used: dict[str, float] = {}
 
     def consume(total: int) -> None:
@@ -227,11 +225,18 @@ def bench_relay(args) -> Run:
             got += args.per_put
         used["consumer"] = time.process_time() - cpu
 
-    elapsed, _, producers = run_producers("raw", f"tcp://127.0.0.1:{inbound}", args, consume)
-    used["relay"] = results.get(timeout=60)
-    hop.join(30)
-    pull.close(0)
-    zctx.term()
+    try:
+        results.get(timeout=60)
+        pull.connect(f"tcp://127.0.0.1:{outbound}")
+        elapsed, _, producers = run_producers("raw", f"tcp://127.0.0.1:{inbound}", args, consume)
+        used["relay"] = results.get(timeout=60)
+        hop.join(30)
+    finally:
+        if hop.is_alive():  # a relay that failed midway must not keep this process from exiting
+            hop.terminate()
+            hop.join(30)
+        pull.close(0)
+        zctx.term()
     return Run(args.per_producer * args.producers / elapsed, [], {"producers": producers, **used})
 
 
