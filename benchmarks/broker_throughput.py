@@ -162,29 +162,6 @@ def run_producers(mode: str, address: str, args, consume) -> tuple[float, list[f
     return elapsed, latencies, cpu
 
 
-def bench_raw(args, mode: str = "raw") -> Run:
-    import zmq
-
-    ctx = zmq.Context()
-    pull = ctx.socket(zmq.PULL)
-    port = pull.bind_to_random_port("tcp://127.0.0.1")
-    per_message = args.per_put if mode == "raw" else 1
-
-    used: dict[str, float] = {}
-
-    def consume(total: int) -> None:
-        cpu, got = time.process_time(), 0
-        while got < total:
-            pull.recv_multipart(copy=False)
-            got += per_message
-        used["consumer"] = time.process_time() - cpu
-
-    elapsed, _, producers = run_producers(mode, f"tcp://127.0.0.1:{port}", args, consume)
-    pull.close(0)
-    ctx.term()
-    return Run(args.per_producer * args.producers / elapsed, [], {"producers": producers, **used})
-
-
 def relay(inbound: int, outbound: int, messages: int, results) -> None:
     """A bare ZeroMQ hop: what a broker that stored nothing and checked nothing would cost."""
     import zmq
@@ -203,40 +180,46 @@ def relay(inbound: int, outbound: int, messages: int, results) -> None:
     results.put(time.process_time() - cpu)
 
 
-def bench_relay(args) -> Run:
-    """Producers -> a relay process -> the consumer, over ZeroMQ with nothing stored: the two hops every
-    trajectory makes through the broker, and nothing else."""
+def bench_raw(args, mode: str = "raw", relayed: bool = False) -> Run:
+    """Producers PUSH to the consumer's PULL; `relayed`: through a relay process in between (the two hops
+    every trajectory makes through the broker, and nothing else)."""
     import zmq
 
-    inbound, outbound = free_port(), free_port()
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    hop = ctx.Process(target=relay, args=(inbound, outbound, args.per_producer * args.producers // args.per_put,
-                                          results))
-    hop.start()
-    zctx = zmq.Context()
-    pull = zctx.socket(zmq.PULL)
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    per_message = args.per_put if mode == "raw" else 1
     used: dict[str, float] = {}
+    hop = None
+    if relayed:
+        inbound, outbound, spawn = free_port(), free_port(), mp.get_context("spawn")
+        address, results = f"tcp://127.0.0.1:{inbound}", spawn.Queue()
+        hop = spawn.Process(target=relay, args=(inbound, outbound, args.per_producer * args.producers // per_message,
+                                                results))
+        hop.start()
+    else:
+        address = f"tcp://127.0.0.1:{pull.bind_to_random_port('tcp://127.0.0.1')}"
 
     def consume(total: int) -> None:
         cpu, got = time.process_time(), 0
         while got < total:
             pull.recv_multipart(copy=False)
-            got += args.per_put
+            got += per_message
         used["consumer"] = time.process_time() - cpu
 
     try:
-        results.get(timeout=60)
-        pull.connect(f"tcp://127.0.0.1:{outbound}")
-        elapsed, _, producers = run_producers("raw", f"tcp://127.0.0.1:{inbound}", args, consume)
-        used["relay"] = results.get(timeout=60)
-        hop.join(30)
+        if hop is not None:
+            results.get(timeout=60)
+            pull.connect(f"tcp://127.0.0.1:{outbound}")
+        elapsed, _, producers = run_producers(mode, address, args, consume)
+        if hop is not None:
+            used["relay"] = results.get(timeout=60)
+            hop.join(30)
     finally:
-        if hop.is_alive():  # a relay that failed midway must not keep this process from exiting
+        if hop is not None and hop.is_alive():  # a relay that failed midway must not keep this process alive
             hop.terminate()
             hop.join(30)
         pull.close(0)
-        zctx.term()
+        ctx.term()
     return Run(args.per_producer * args.producers / elapsed, [], {"producers": producers, **used})
 
 
@@ -315,7 +298,7 @@ def bench_large(args, data_dir: Path) -> dict:
     raw = raw_run.rate * (big.large_kb << 10) / 1e6
     print(f"raw zmq push/pull, the same {big.large_kb} KB PUT messages: {raw:,.1f} MB/s "
           f"(CPU s per 10k: {raw_run.cpu_line(n)})", flush=True)
-    relay_run = bench_relay(big)
+    relay_run = bench_raw(big, relayed=True)
     relayed = relay_run.rate * (big.large_kb << 10) / 1e6
     print(f"raw zmq through a relay process (two hops, nothing stored): {relayed:,.1f} MB/s "
           f"(CPU s per 10k: {relay_run.cpu_line(n)})", flush=True)
