@@ -139,8 +139,7 @@ class Broker:
                 frames = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
-            # Identity, protocol, command and header as bytes; payloads stay in ZeroMQ's buffers, as views.
-            identity, body = frames[0].bytes, [f.bytes for f in frames[1:4]] + [f.buffer for f in frames[4:]]
+            identity, body = frames[0].bytes, P.received(frames[1:])  # payloads stay in ZeroMQ's buffers
             try:
                 msg = P.decode(body, self.cfg.broker.max_message_bytes)
                 P.validate(msg)

@@ -104,10 +104,8 @@ class Connection:
                     self._take_outbox()
                 if self.sock in events:
                     while self.sock.poll(0):
-                        frames = self.sock.recv_multipart(copy=False)
-                        # Protocol, command and header as bytes; payloads (a BATCH's trajectories) stay in
-                        # ZeroMQ's buffers, as read-only views that live as long as the reply does.
-                        self._on_message([f.bytes for f in frames[:3]] + [f.buffer for f in frames[3:]])
+                        # A BATCH's trajectories stay in ZeroMQ's buffers, as views, for as long as the reply.
+                        self._on_message(P.received(self.sock.recv_multipart(copy=False)))
                 if self.sub is not None and self.sub in events:
                     while self.sub.poll(0):
                         self._on_bus(self.sub.recv_multipart())

@@ -122,6 +122,12 @@ def too_deep(obj: Any, limit: int = MAX_DEPTH) -> bool:
     return False
 
 
+def received(frames: list[Any]) -> list[bytes | memoryview]:
+    """A message's frames as taken off a socket without a copy (ZeroMQ frames): protocol, command and
+    header as bytes, payloads as read-only views of ZeroMQ's buffers that live as long as the message."""
+    return [f.bytes for f in frames[:3]] + [f.buffer for f in frames[3:]]
+
+
 def decode(frames: list[bytes], max_message_bytes: int | None = None,
            max_header_bytes: int = MAX_HEADER_BYTES) -> Message:
     """Parse the frames of one message (without the routing identity).
