@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from tests.conftest import free_port
 from tests.trainer.test_resume import delivered, feed
-from tests.trainer.test_sharded import SETS, assert_same_step, step_metrics, train
+from tests.trainer.test_sharded import SETS, assert_same_step, assert_same_weights, step_metrics, train
 
 pytestmark = pytest.mark.gpu
 
@@ -23,7 +23,7 @@ GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 CUDA = ("trainer.device=cuda", "trainer.deterministic=true")
 
 
-def compare(broker_factory, clients, tiny_model, tmp_path, world: int, atol: float, env: dict | None = None) -> None:
+def compare(broker_factory, clients, tiny_model, tmp_path, world: int, env: dict | None = None) -> None:
     one, many = broker_factory(*SETS), broker_factory(*SETS)
     for b in (one, many):
         feed(b, clients, steps=3)
@@ -34,8 +34,7 @@ def compare(broker_factory, clients, tiny_model, tmp_path, world: int, atol: flo
         assert_same_step(step_metrics(tmp_path / "many.jsonl", step), step_metrics(tmp_path / "one.jsonl", step))
     w1 = load_file(tmp_path / "one" / "weights" / "v3" / "model.safetensors")
     wn = load_file(tmp_path / "many" / "weights" / "v3" / "model.safetensors")
-    for k in w1:
-        assert torch.allclose(w1[k], wn[k], rtol=0, atol=atol), (k, (w1[k] - wn[k]).abs().max())
+    assert_same_weights(wn, w1)
 
 
 @pytest.mark.skipif(GPUS < 1, reason="needs a CUDA GPU (none here)")
@@ -43,9 +42,9 @@ def test_one_rank_on_nccl_takes_the_single_process_steps(broker_factory, clients
     # One rank as torchrun starts it: the NCCL process group, FSDP2 and the gathering publish, on one GPU.
     env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_port())}
-    compare(broker_factory, clients, tiny_model, tmp_path, 1, atol=1e-5, env=env)
+    compare(broker_factory, clients, tiny_model, tmp_path, 1, env=env)
 
 
 @pytest.mark.skipif(GPUS < 2, reason=f"needs two CUDA GPUs ({GPUS} here)")
 def test_two_ranks_on_nccl_take_the_single_process_steps(broker_factory, clients, tiny_model, tmp_path):
-    compare(broker_factory, clients, tiny_model, tmp_path, 2, atol=1e-5)
+    compare(broker_factory, clients, tiny_model, tmp_path, 2)
