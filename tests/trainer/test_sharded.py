@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from rlbus.logview import events
 from tests.conftest import free_port
+from tests.helpers.weights import assert_same_weights
 from tests.trainer.test_resume import delivered, feed, start_trainer, steps_logged
 
 SETS = ("sync.sync_style=async", "sync.max_staleness=100", "rollout.repeat=4", "data.batch_tasks=2")
@@ -44,18 +45,6 @@ def assert_same_step(got: dict, want: dict) -> None:
         assert abs(got[k] - want[k]) <= 1e-5 + logged, (k, got[k], want[k])
 
 
-def assert_same_weights(got: dict, want: dict, lr: float = 1e-3) -> None:
-    """The same weights up to the order of the gradient sums. Adam divides each element's gradient by its own running
-    size, so an element whose gradient is near zero (the embedding row of a token that only the softmax's tail
-    reaches) turns a difference in the last bits of that sum into a visible part of one step: how large depends on
-    the CPU's vector width (1e-6 here, 1.6e-5 seen in CI). So every element is within a tenth of one step, and the
-    mean element within 1e-7; a wrong shard or a missing reduction moves elements by whole steps."""
-    assert got.keys() == want.keys()
-    for k in want:
-        diff = (got[k] - want[k]).abs()
-        assert diff.max() <= 0.1 * lr and diff.mean() <= 1e-7, (k, diff.max(), diff.mean())
-
-
 def test_two_ranks_train_the_single_process_steps_and_resume_at_either_world_size(broker_factory, clients,
                                                                                     tiny_model, tmp_path):
     # Three steps on one process and on two ranks, on the same batches; a checkpoint covers steps 0-1, so the
@@ -71,7 +60,7 @@ def test_two_ranks_train_the_single_process_steps_and_resume_at_either_world_siz
         assert_same_step(step_metrics(tmp_path / "two.jsonl", step), step_metrics(tmp_path / "one.jsonl", step))
     w1 = load_file(tmp_path / "one" / "weights" / "v3" / "model.safetensors")
     w2 = load_file(tmp_path / "two" / "weights" / "v3" / "model.safetensors")  # gathered from the shards
-    assert_same_weights(w2, w1)
+    assert_same_weights(w2, w1, lr=1e-3)
     w0 = load_file(os.path.join(tiny_model, "model.safetensors"))
     assert any(not torch.equal(w1[k], w0[k]) for k in w1), "training changed the weights"
     sharded = tmp_path / "two" / "checkpoints" / "step_00000001"
