@@ -82,6 +82,14 @@ def events(path: str | Path, name: str | None = None) -> list[dict]:
             if name is None or e.get("event") == name]
 
 
+def events_in_text(text: str, name: str | None = None) -> list[dict]:
+    """The events in captured JSON-lines output (a process's stderr), like `events` for a file; lines that are
+    not JSON objects (a traceback, a warning printed by a library) are skipped."""
+    lines = (text if text.endswith("\n") else text + "\n").encode().splitlines(keepends=True)
+    return [e for _, e, _, _ in _events_in(lines, "") if e.get("event") != "unparsed_line"
+            and (name is None or e.get("event") == name)]
+
+
 def last_event(path: str | Path, name: str | None = None, field: str | None = None,
                tail_bytes: int = 65536) -> dict | None:
     """The newest event of a log named `name` (or carrying `field`), from the last `tail_bytes` of the file."""
@@ -117,7 +125,8 @@ def _events_in(lines: Iterable[bytes], stem: str, needle: bytes = b"", offset: i
             event = {"event": "unparsed_line", "text": line[:500]}
         if not isinstance(event, dict):
             event = {"event": "unparsed_line", "text": line[:500]}
-        event.setdefault("component", stem)
+        if stem:
+            event.setdefault("component", stem)
         ts = event.get("ts")
         yield float(ts) if isinstance(ts, (int, float)) else 0.0, event, line, offset
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from rlbus.logview import events as log_events
+from rlbus.logview import events as log_events, events_in_text
 from tests.conftest import REPO, free_port
 
 
@@ -25,7 +25,7 @@ def test_up_runs_broker_a_two_rank_trainer_and_explorer_to_the_end(tiny_model, t
             "data.eval_size=6", "trainer.world_size=2"]
     args = [sys.executable, "-m", "rlbus.cli", "up"] + [x for s in sets for x in ("--set", s)]
     done = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=600)
-    events = [json.loads(line) for line in done.stderr.splitlines() if line.startswith("{")]
+    events = events_in_text(done.stderr)
     assert done.returncode == 0, done.stderr[-3000:]
     names = [e["event"] for e in events]
     assert "trainer_finished" in names and names[-2:] == ["run_stopped", "run_summary"]
@@ -71,7 +71,6 @@ def test_up_runs_broker_a_two_rank_trainer_and_explorer_to_the_end(tiny_model, t
 def test_components_stop_when_the_launcher_is_killed(tiny_model, tmp_path):
     """SIGKILL of `rlbus up` itself (it cannot clean up) still leaves no component running."""
     import signal
-    import time
 
     sets = [f"run.dir={tmp_path / 'run'}", f"model.path={tiny_model}", f"broker.port={free_port()}",
             f"broker.pub_port={free_port()}", "launch.explorers=0", "logging.format=json"]
@@ -80,8 +79,7 @@ def test_components_stop_when_the_launcher_is_killed(tiny_model, tmp_path):
     pids = []
     try:
         for line in up.stderr:
-            if '"component_started"' in line:
-                pids.append(json.loads(line)["pid"])
+            pids += [e["pid"] for e in events_in_text(line, "component_started")]
             if len(pids) == 2:
                 break
         assert len(pids) == 2, "broker and trainer did not start"
@@ -180,7 +178,7 @@ def test_closing_the_terminal_stops_the_run_and_leaves_no_process(tiny_model, tm
                 break
             time.sleep(0.2)
         text = b"".join(shown).decode(errors="replace")
-        pids = [json.loads(x)["pid"] for x in text.splitlines() if '"component_started"' in x]
+        pids = [e["pid"] for e in events_in_text(text, "component_started")]
         assert len(pids) == 3 and up.poll() is None, text[-3000:]
         os.close(master)  # the terminal closes
         master = -1

@@ -104,3 +104,15 @@ def test_one_reader_for_every_tool(run_dir):
     assert last_event(trainer, "train_step")["step"] == 0
     assert last_event(run_dir / "logs" / "broker.jsonl", field="code")["event"] == "bad_message"
     assert events(run_dir / "logs" / "nope.jsonl", "x") == [] and last_event(run_dir / "nope.jsonl") is None
+
+
+def test_captured_output_is_read_by_the_same_reader():
+    from rlbus.logview import events_in_text
+
+    text = ('{"ts": 1.0, "event": "component_started", "pid": 7}\n'
+            'Traceback (most recent call last):\n'
+            '{"ts": 2.0, "event": "note", "text": "component_started"}\n'
+            '{"ts": 3.0, "event": "component_started", "pid": 8}')  # the last line, without its newline
+    assert [e["pid"] for e in events_in_text(text, "component_started")] == [7, 8]
+    assert [e["event"] for e in events_in_text(text)] == ["component_started", "note", "component_started"]
+    assert "component" not in events_in_text(text)[0]  # nothing added that the process did not write
