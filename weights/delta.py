@@ -73,14 +73,15 @@ def make_delta(base: str | Path, target: str | Path, out: str | Path) -> int | N
 
 
 def apply_delta(base: str | Path, delta: str | Path, out: str | Path) -> int:
-    """Write base XOR unzstd(delta) to `out`; the bytes written. Raises ValueError on a delta that does not fit."""
+    """Write base XOR unzstd(delta) to `out` (over its bytes when it exists: see weights/fetch.py); the bytes
+    written. Raises ValueError on a delta that does not fit."""
     import zstandard
 
     base, delta, out = Path(base), Path(delta), Path(out)
     size = base.stat().st_size
     written = 0
     dctx = zstandard.ZstdDecompressor()
-    with open(base, "rb") as fb, open(delta, "rb") as fd, open(out, "wb") as fo:
+    with open(base, "rb") as fb, open(delta, "rb") as fd, open(out, "r+b" if out.is_file() else "wb") as fo:
         reader = dctx.stream_reader(fd)
         while True:
             x = reader.read(BLOCK)
@@ -91,6 +92,7 @@ def apply_delta(base: str | Path, delta: str | Path, out: str | Path) -> int:
                 raise ValueError(f"delta {delta} is longer than its base {base} ({size} bytes)")
             fo.write(np.bitwise_xor(np.frombuffer(a, np.uint8), np.frombuffer(x, np.uint8)).data)
             written += len(x)
+        fo.truncate(written)
     if written != size:
         raise ValueError(f"delta {delta} covers {written} bytes, its base {base} has {size}")
     return written

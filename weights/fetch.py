@@ -12,6 +12,12 @@ there: they are hashed and kept. Deltas are applied to the base version's
 files, files unchanged since the base are copied from it, and the assembled
 version must have the digest the bus announced before it is renamed to
 `v{N}/`. A fetch that makes no progress for `timeout_s` raises FetchFailed.
+
+Versions are written over the files of an older one (`retire` keeps the
+version before the one held as `.spare/`): overwriting pages the page cache
+already holds is a copy, while writing a new file of a few hundred MB makes
+the kernel find and zero as many fresh pages, often by reclaiming others
+first (0.02-0.03 s against 0.05-0.8 s for 272 MB on this machine).
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ from rlbus.weights.digest import matches
 from rlbus.weights.server import CHUNK, ERROR, MAGIC, MANIFEST, chunk_hashes
 
 log = structlog.get_logger()
+
+SPARE = ".spare"  # an older version's files, written over by the next fetch
 
 
 class FetchFailed(Exception):
@@ -145,6 +153,29 @@ def _received_name(entry: dict[str, Any]) -> str:
     return entry["name"] + ".zst" if "delta" in entry else entry["name"]
 
 
+def _recycle(spare: Path, local: Path) -> bool:
+    """Move the spare copy of a file to `local` to be written over; False when there is none (or `local` exists)."""
+    if local.exists() or not spare.is_file():
+        return False
+    os.replace(spare, local)
+    return True
+
+
+def retire(dest: str | Path, keep: Path) -> None:
+    """After `keep` is loaded: the newest other version under `dest` becomes the spare, the rest are removed."""
+    from rlbus.weights.checkpoint import version_dirs
+
+    dest = Path(dest)
+    others = [path for _, path in version_dirs(dest) if path != keep]
+    if not others:
+        return
+    spare = dest / SPARE
+    shutil.rmtree(spare, ignore_errors=True)
+    os.replace(others.pop(), spare)
+    for path in others:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def _prepare(files: list[dict[str, Any]], work: Path, base: Base | None, chunk_bytes: int) -> list[tuple[int, int]]:
     """Copy what the base already has, keep chunks a previous attempt left; the (file, chunk) pairs still to get."""
     expected = {_received_name(e) for e in files}
@@ -161,8 +192,14 @@ def _prepare(files: list[dict[str, Any]], work: Path, base: Base | None, chunk_b
                 and base_file.stat().st_size == entry["size"] and chunk_hashes(base_file, chunk_bytes)[1] == entry["xxh"]:
             shutil.copyfile(base_file, work / name)
             continue
+        if "delta" in entry:  # the delta is applied over the spare copy (apply_delta writes in place)
+            _recycle(work.parent / SPARE / name, work / name)
+            recycled = False
+        else:  # an older version's bytes: nothing in it is kept without being fetched
+            recycled = _recycle(work.parent / SPARE / name, local)
         size = entry["delta"]["size"] if "delta" in entry else entry["size"]
-        have = chunk_hashes(local, chunk_bytes)[0] if local.is_file() and local.stat().st_size == size else []
+        have = chunk_hashes(local, chunk_bytes)[0] if not recycled and local.is_file() and local.stat().st_size == size \
+            else []
         with open(local, "ab") as f:
             f.truncate(size)
         todo += [(fi, ci) for ci, h in enumerate(entry["chunks"]) if ci >= len(have) or have[ci] != h]

@@ -25,7 +25,6 @@ engine knows nothing else about weight sync.
 
 from __future__ import annotations
 
-import shutil
 import time
 from pathlib import Path
 from typing import Any, Iterator, Protocol
@@ -164,7 +163,7 @@ class Receiver:
         self.held = Base(state["version"], path, state["digest"])
 
     def _fetch(self, engine: Engine, state: dict[str, Any]) -> bool:
-        from rlbus.weights.fetch import DeltaFailed, FetchFailed, fetch_version
+        from rlbus.weights.fetch import DeltaFailed, FetchFailed, fetch_version, retire
 
         version = state["version"]
         if time.monotonic() < self._retry_at.get(version, 0.0):
@@ -192,7 +191,7 @@ class Receiver:
                  resent=got.resent)
         engine.reload(checkpoint_source(got.path), version)  # fetch_version checked the digest
         self._hold(state, got.path)
-        self._prune(keep=got.path)
+        retire(self.fetch_dir, keep=got.path)
         return True
 
     def _kept(self):
@@ -205,11 +204,6 @@ class Receiver:
             except FileNotFoundError:
                 continue
         return None
-
-    def _prune(self, keep: Path) -> None:
-        for _, path in version_dirs(self.fetch_dir):
-            if path != keep:
-                shutil.rmtree(path, ignore_errors=True)
 
 
 def open_source(source: dict[str, Any], worker: Any) -> tuple[Iterator[tuple[str, Any]], dict[str, Any]]:

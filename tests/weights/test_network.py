@@ -25,7 +25,7 @@ from rlbus.common import protocol as P  # noqa: E402
 from rlbus.common.curve import make_keys  # noqa: E402
 from rlbus.weights.delta import apply_delta, make_delta  # noqa: E402
 from rlbus.weights.digest import weights_digest  # noqa: E402
-from rlbus.weights.fetch import Base, FetchFailed, fetch_version  # noqa: E402
+from rlbus.weights.fetch import SPARE, Base, FetchFailed, fetch_version, retire  # noqa: E402
 from rlbus.weights.server import CHUNK, MAGIC, MANIFEST, WeightServer  # noqa: E402
 from tests.conftest import REPO, free_port  # noqa: E402
 
@@ -104,6 +104,24 @@ def test_full_fetch_then_deltas_against_the_version_held(served, tmp_path):
     assert whole.base is None and same_files(whole.path, root / "v3")
     # Already there: nothing crosses the network.
     assert fetch_version(server.address, 3, digests[3], dest).received_bytes == 0
+
+
+def test_a_fetch_writes_over_the_spare_version_whole_or_by_delta(served, tmp_path):
+    server, root, digests = served
+    weights = "model.safetensors"
+    for by_delta in (False, True):
+        dest = tmp_path / f"explorer-{by_delta}"
+        fetch_version(server.address, 1, digests[1], dest)
+        second = fetch_version(server.address, 2, digests[2], dest)
+        retire(dest, keep=second.path)
+        spare = (dest / SPARE / weights).stat().st_ino  # v1's file
+        base = Base(2, second.path, digests[2]) if by_delta else None
+        third = fetch_version(server.address, 3, digests[3], dest, base)
+        assert third.base == (2 if by_delta else None)
+        assert (third.path / weights).stat().st_ino == spare, "written over v1's file, not a new one"
+        assert same_files(third.path, root / "v3") and same_files(second.path, root / "v2")
+        retire(dest, keep=third.path)
+        assert sorted(p.name for p in dest.iterdir()) == [SPARE, "v3"] and same_files(dest / SPARE, root / "v2")
 
 
 def test_the_announced_digest_is_checked(served, tmp_path):
@@ -318,7 +336,9 @@ def test_the_receiver_reads_the_path_when_it_can_and_fetches_deltas_when_it_cann
     assert receiver.held.version == 2 and engine.version == 2
     assert server.served_bytes < 0.25 * (root / "v2" / "model.safetensors").stat().st_size  # a delta against v1
     assert receiver.load(engine, state_of(server, root, digests, 3, location=tmp_path / "elsewhere" / "v3"))
-    assert sorted(p.name for p in (tmp_path / "fetched").iterdir()) == ["v3"]  # the older fetch was pruned
+    # v2 is kept as the spare the next fetch writes over; v1 is gone.
+    assert sorted(p.name for p in (tmp_path / "fetched").iterdir()) == [SPARE, "v3"]
+    assert same_files(tmp_path / "fetched" / SPARE, root / "v2")
     assert same_files(tmp_path / "fetched" / "v3", root / "v3")
     # receive: fetch never reads the path, even where it could.
     engine2, fetching = RecordingEngine(), Receiver("e2", tmp_path / "f2", mode="fetch")
