@@ -50,6 +50,7 @@ class CheckpointSender:
         self.base = Path(base_model_dir)
         self.keep = keep
         self.dtype = dtype  # the explorers' dtype: half the bytes of float32 for bfloat16, no cast on load
+        self.published: tuple[int, str] | None = None  # the last version written, and its digest
 
     def attach(self, client) -> None:
         """Files need no broker connection."""
@@ -90,6 +91,9 @@ class CheckpointSender:
         os.rename(tmp, final)
         _fsync_dir(self.dir)
         self._prune(version)
+        if self.server is not None:
+            self.server.prepare(version, self.published)
+        self.published = (version, digest)
         state = {"version": version, "method": "checkpoint", "location": str(final.resolve()), "digest": digest,
                  "step": step}
         if self.server is not None:

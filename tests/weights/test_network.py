@@ -124,6 +124,26 @@ def test_a_fetch_writes_over_the_spare_version_whole_or_by_delta(served, tmp_pat
         assert sorted(p.name for p in dest.iterdir()) == [SPARE, "v3"] and same_files(dest / SPARE, root / "v2")
 
 
+def test_the_server_builds_ahead_the_delta_clients_will_ask_for(served, tmp_path):
+    import time
+
+    server, root, digests = served
+    deltas = root / ".deltas"
+    built = lambda: sorted(p.name.split(".")[0] for p in deltas.glob("v*-v*")) if deltas.is_dir() else []  # noqa: E731
+    server.prepare(3, (2, digests[2]))  # nobody has fetched yet: nothing is built ahead
+    fetch_version(server.address, 1, digests[1], tmp_path / "sync")  # queued behind anything prepare queued
+    assert built() == []
+    second = fetch_version(server.address, 2, digests[2], tmp_path / "e", Base(1, root / "v1", digests[1]))
+    assert second.base == 1 and built() == ["v1-v2"]
+    server.prepare(3, (2, digests[2]))  # v3 is written: its delta from v2 is built before anyone asks
+    deadline = time.monotonic() + 30
+    while built() != ["v1-v2", "v2-v3"]:
+        assert time.monotonic() < deadline, built()
+        time.sleep(0.01)
+    third = fetch_version(server.address, 3, digests[3], tmp_path / "e", Base(2, second.path, digests[2]))
+    assert third.base == 2 and same_files(third.path, root / "v3")
+
+
 def test_the_announced_digest_is_checked(served, tmp_path):
     server, _, digests = served
     with pytest.raises(FetchFailed, match="digest"):
