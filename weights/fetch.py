@@ -35,7 +35,7 @@ import zmq
 
 from rlbus.common import protocol as P
 from rlbus.weights.delta import apply_delta
-from rlbus.weights.digest import matches
+from rlbus.weights.digest import hasher, matches
 from rlbus.weights.server import CHUNK, ERROR, MAGIC, MANIFEST, chunk_hashes
 
 log = structlog.get_logger()
@@ -206,6 +206,53 @@ def _prepare(files: list[dict[str, Any]], work: Path, base: Base | None, chunk_b
     return todo
 
 
+class _InOrderDigest:
+    """The version's digest (weights/digest.py) taken as its chunks arrive, so that the assembled files need not
+    be read again: chunks are hashed in file and offset order, one that arrives early is held until its turn
+    (at most `limit` of them), and chunks kept from an earlier attempt are read back from disk at theirs.
+    `result()` is None when it could not be taken so (too many chunks early): the files are read again then."""
+
+    def __init__(self, files: list[dict[str, Any]], work: Path, algorithm: str, todo: list[tuple[int, int]],
+                 chunk_bytes: int, limit: int = 16):
+        self.hasher = hasher(algorithm)
+        self.algorithm, self.files, self.work, self.chunk_bytes, self.limit = algorithm, files, work, chunk_bytes, limit
+        weights = sorted((e["name"], fi) for fi, e in enumerate(files) if e["name"].endswith(".safetensors"))
+        self.order = [(fi, ci) for _, fi in weights for ci in range(-1, len(files[fi]["chunks"]))]  # -1: the name
+        self.missing = set(todo)
+        self.early: dict[tuple[int, int], memoryview] | None = {}
+        self.next = 0
+
+    def add(self, fi: int, ci: int, data: memoryview) -> None:
+        """Chunk `ci` of file `fi` arrived and matched its hash."""
+        self.missing.discard((fi, ci))
+        if self.early is None or not self.files[fi]["name"].endswith(".safetensors"):
+            return
+        self.early[(fi, ci)] = data
+        self._advance()
+        if len(self.early) > self.limit:
+            self.early = None
+
+    def _advance(self) -> None:
+        while self.next < len(self.order):
+            fi, ci = self.order[self.next]
+            if ci < 0:
+                self.hasher.update(self.files[fi]["name"].encode() + b"\0")
+            elif (fi, ci) in self.early:
+                self.hasher.update(self.early.pop((fi, ci)))
+            elif (fi, ci) not in self.missing:  # kept from an earlier attempt
+                with open(self.work / self.files[fi]["name"], "rb") as f:
+                    self.hasher.update(os.pread(f.fileno(), self.chunk_bytes, ci * self.chunk_bytes))
+            else:
+                break
+            self.next += 1
+
+    def result(self) -> str | None:
+        if self.early is None:
+            return None
+        self._advance()  # chunks kept from an earlier attempt, up to the end
+        return f"{self.algorithm}:{self.hasher.hexdigest()}" if self.next == len(self.order) else None
+
+
 def fetch_version(address: str, version: int, digest: str, dest: str | Path, base: Base | None = None, *,
                   server_key: str = "", client_secret_file: str = "", timeout_s: float = 120.0,
                   retry_s: float = 2.0, window: int = 4,
@@ -233,6 +280,9 @@ def fetch_version(address: str, version: int, digest: str, dest: str | Path, bas
         if manifest.get("base") is not None:
             ask.update(base=base.version, base_digest=base.digest)
         todo = _prepare(files, work, base, chunk_bytes)
+        # Deltas are hashed as applied files, read again; whole files as their chunks arrive.
+        running = None if any("delta" in e for e in files) else \
+            _InOrderDigest(files, work, manifest["digest"].partition(":")[0], todo, chunk_bytes)
         total, received, bad = len(todo), 0, 0
         todo.reverse()
         while todo or t.outstanding:
@@ -250,6 +300,8 @@ def fetch_version(address: str, version: int, digest: str, dest: str | Path, bas
                 continue
             with open(work / _received_name(files[fi]), "r+b") as f:
                 os.pwrite(f.fileno(), data, ci * chunk_bytes)
+            if running is not None:
+                running.add(fi, ci, data)
             if on_chunk is not None:
                 on_chunk(total - len(todo) - len(t.outstanding), total)
     finally:
@@ -265,7 +317,8 @@ def fetch_version(address: str, version: int, digest: str, dest: str | Path, bas
                 raise DeltaFailed(f"the delta for {entry['name']} does not apply to v{base.version}: {exc}") from exc
             blob.unlink()
     apply_s = time.monotonic() - applying
-    ok, actual = matches(work, manifest["digest"])
+    actual = running.result() if running is not None else None
+    ok, actual = (actual == manifest["digest"], actual) if actual is not None else matches(work, manifest["digest"])
     if not ok:
         shutil.rmtree(work, ignore_errors=True)
         failure = DeltaFailed if manifest.get("base") is not None else FetchFailed

@@ -144,6 +144,53 @@ def test_the_server_builds_ahead_the_delta_clients_will_ask_for(served, tmp_path
     assert third.base == 2 and same_files(third.path, root / "v3")
 
 
+def test_the_digest_taken_as_chunks_arrive_in_any_order_is_the_digest_of_the_files(tmp_path):
+    import random
+
+    from rlbus.weights.fetch import _InOrderDigest
+    from rlbus.weights.server import chunk_hashes
+
+    root = tmp_path / "v"
+    root.mkdir()
+    rng = random.Random(0)
+    for name, size in (("a.safetensors", 5 * CHUNK_BYTES + 17), ("b.safetensors", 3 * CHUNK_BYTES), ("config.json", 40)):
+        (root / name).write_bytes(rng.randbytes(size))
+    files = [{"name": p.name, "chunks": chunk_hashes(p, CHUNK_BYTES)[0]} for p in sorted(root.iterdir())]
+    chunks = [(fi, ci) for fi, e in enumerate(files) for ci in range(len(e["chunks"]))]
+    want = weights_digest(root, "xxh3_128")
+
+    def data(fi, ci):
+        with open(root / files[fi]["name"], "rb") as f:
+            return memoryview(os.pread(f.fileno(), CHUNK_BYTES, ci * CHUNK_BYTES))
+
+    for kept in (set(), {(0, 0), (0, 5), (1, 2)}):  # chunks a resumed fetch found on disk already
+        todo = [c for c in chunks if c not in kept]
+        arrival = todo[:]
+        rng.shuffle(arrival)
+        running = _InOrderDigest(files, root, "xxh3_128", todo, CHUNK_BYTES, limit=len(chunks))
+        for fi, ci in arrival:
+            running.add(fi, ci, data(fi, ci))
+        assert running.result() == want
+    # More chunks early than it may hold: no digest, and the caller reads the files instead.
+    running = _InOrderDigest(files, root, "xxh3_128", chunks, CHUNK_BYTES, limit=2)
+    for fi, ci in reversed(chunks):
+        running.add(fi, ci, data(fi, ci))
+    assert running.result() is None
+
+
+def test_a_whole_version_is_checked_without_reading_it_again(served, tmp_path, monkeypatch):
+    from rlbus.weights import fetch
+
+    server, root, digests = served
+
+    def read_again(*args):
+        raise AssertionError("the fetched files were read again for their digest")
+
+    monkeypatch.setattr(fetch, "matches", read_again)
+    got = fetch_version(server.address, 2, digests[2], tmp_path / "e")
+    assert got.base is None and same_files(got.path, root / "v2")
+
+
 def test_the_announced_digest_is_checked(served, tmp_path):
     server, _, digests = served
     with pytest.raises(FetchFailed, match="digest"):
