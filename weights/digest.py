@@ -34,20 +34,36 @@ def default_algorithm() -> str:
     return "xxh3_128"
 
 
+class Digest:
+    """A digest being taken: each `*.safetensors` file in name order, `file(name)` and then its bytes."""
+
+    def __init__(self, algorithm: str):
+        self.algorithm = algorithm
+        self._h = hasher(algorithm)
+
+    def file(self, name: str) -> None:
+        self._h.update(name.encode() + b"\0")
+
+    def update(self, data) -> None:
+        self._h.update(data)
+
+    def value(self) -> str:
+        return f"{self.algorithm}:{self._h.hexdigest()}"
+
+
 def weights_digest(directory: str | Path, algorithm: str | None = None) -> str:
-    algorithm = algorithm or default_algorithm()
     files = sorted(Path(directory).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no .safetensors files in {directory}")
-    h = hasher(algorithm)
+    digest = Digest(algorithm or default_algorithm())
     buf = bytearray(_CHUNK)
     view = memoryview(buf)
     for path in files:
-        h.update(path.name.encode() + b"\0")
+        digest.file(path.name)
         with open(path, "rb") as f:
             while n := f.readinto(buf):
-                h.update(view[:n])
-    return f"{algorithm}:{h.hexdigest()}"
+                digest.update(view[:n])
+    return digest.value()
 
 
 def matches(directory: str | Path, digest: str) -> tuple[bool, str]:

@@ -34,8 +34,9 @@ import structlog
 import zmq
 
 from rlbus.common import protocol as P
+from rlbus.weights.checkpoint import version_dirs
 from rlbus.weights.delta import apply_delta
-from rlbus.weights.digest import hasher, matches
+from rlbus.weights.digest import Digest, matches
 from rlbus.weights.server import CHUNK, ERROR, MAGIC, MANIFEST, chunk_hashes
 
 log = structlog.get_logger()
@@ -163,8 +164,6 @@ def _recycle(spare: Path, local: Path) -> bool:
 
 def retire(dest: str | Path, keep: Path) -> None:
     """After `keep` is loaded: the newest other version under `dest` becomes the spare, the rest are removed."""
-    from rlbus.weights.checkpoint import version_dirs
-
     dest = Path(dest)
     others = [path for _, path in version_dirs(dest) if path != keep]
     if not others:
@@ -214,8 +213,8 @@ class _InOrderDigest:
 
     def __init__(self, files: list[dict[str, Any]], work: Path, algorithm: str, todo: list[tuple[int, int]],
                  chunk_bytes: int, limit: int = 16):
-        self.hasher = hasher(algorithm)
-        self.algorithm, self.files, self.work, self.chunk_bytes, self.limit = algorithm, files, work, chunk_bytes, limit
+        self.digest = Digest(algorithm)
+        self.files, self.work, self.chunk_bytes, self.limit = files, work, chunk_bytes, limit
         weights = sorted((e["name"], fi) for fi, e in enumerate(files) if e["name"].endswith(".safetensors"))
         self.order = [(fi, ci) for _, fi in weights for ci in range(-1, len(files[fi]["chunks"]))]  # -1: the name
         self.missing = set(todo)
@@ -236,12 +235,12 @@ class _InOrderDigest:
         while self.next < len(self.order):
             fi, ci = self.order[self.next]
             if ci < 0:
-                self.hasher.update(self.files[fi]["name"].encode() + b"\0")
+                self.digest.file(self.files[fi]["name"])
             elif (fi, ci) in self.early:
-                self.hasher.update(self.early.pop((fi, ci)))
+                self.digest.update(self.early.pop((fi, ci)))
             elif (fi, ci) not in self.missing:  # kept from an earlier attempt
                 with open(self.work / self.files[fi]["name"], "rb") as f:
-                    self.hasher.update(os.pread(f.fileno(), self.chunk_bytes, ci * self.chunk_bytes))
+                    self.digest.update(os.pread(f.fileno(), self.chunk_bytes, ci * self.chunk_bytes))
             else:
                 break
             self.next += 1
@@ -250,7 +249,7 @@ class _InOrderDigest:
         if self.early is None:
             return None
         self._advance()  # chunks kept from an earlier attempt, up to the end
-        return f"{self.algorithm}:{self.hasher.hexdigest()}" if self.next == len(self.order) else None
+        return self.digest.value() if self.next == len(self.order) else None
 
 
 def fetch_version(address: str, version: int, digest: str, dest: str | Path, base: Base | None = None, *,

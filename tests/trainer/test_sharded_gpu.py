@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file
 
 from tests.conftest import free_port
-from tests.trainer.test_resume import delivered, feed
 from tests.helpers.weights import assert_same_weights
+from tests.trainer.test_resume import delivered, feed
 from tests.trainer.test_sharded import SETS, assert_same_step, step_metrics, train
 
 pytestmark = pytest.mark.gpu
