@@ -191,6 +191,7 @@ class Explorer:
             log.warning("stopped_without_broker", puts_unacknowledged=unacked, error=str(exc))
         finally:
             self._activity.emit(self.engine.in_flight)
+            self.receiver.close()
             self.client.close(bye=True)
         log.info("explorer_stopped", batches=self.batches)
         return self.batches

@@ -3,9 +3,9 @@
 `CheckpointSender.snapshot(model)` copies the weights (one memory copy, in
 the explorers' dtype) so training can go on; `publish(snapshot, version,
 step)`, run on the trainer's publishing thread, writes safetensors, config,
-tokenizer and chat template into a temporary directory, fsyncs it, computes
-the digest, and renames it into place atomically, so an explorer never sees
-half a checkpoint. It returns the weight state that goes into PUBLISH
+tokenizer and chat template into a temporary directory, fsyncs it, renames it
+into place atomically, so an explorer never sees half a checkpoint, and
+computes its digest (which is announced only once computed). It returns the weight state that goes into PUBLISH
 (version, method, location, digest, step). `checkpoint_tensors` is the
 receiving side: it runs inside the engine's workers.
 """
@@ -85,14 +85,13 @@ class CheckpointSender:
             if (self.base / name).exists():
                 shutil.copy2(self.base / name, tmp / name)
         _fsync_tree(tmp)
-        digest = weights_digest(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.rename(tmp, final)
         _fsync_dir(self.dir)
         self._prune(version)
-        if self.server is not None:
-            self.server.prepare(version, self.published)
+        # With a server, the digest comes from the same read that makes the version's manifest.
+        digest = self.server.add(version, self.published) if self.server is not None else weights_digest(final)
         self.published = (version, digest)
         state = {"version": version, "method": "checkpoint", "location": str(final.resolve()), "digest": digest,
                  "step": step}

@@ -30,7 +30,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import msgspec
 import structlog
@@ -39,7 +39,7 @@ import zmq
 from rlbus.common import protocol as P
 from rlbus.weights.checkpoint import version_dirs
 from rlbus.weights.delta import make_delta
-from rlbus.weights.digest import weights_digest
+from rlbus.weights.digest import Digest, default_algorithm, weights_digest
 
 log = structlog.get_logger()
 
@@ -63,17 +63,40 @@ class Gone(Exception):
     """The version (or its base) is not held here (never published, or pruned)."""
 
 
-def chunk_hashes(path: Path, chunk_bytes: int) -> tuple[list[int], str]:
-    """The xxh3-64 of every chunk of a file and the xxh3-128 of the whole, in one read."""
+def chunk_hashes(path: Path, chunk_bytes: int, feed: Callable[[memoryview], None] | None = None
+                 ) -> tuple[list[int], str]:
+    """The xxh3-64 of every chunk of a file and the xxh3-128 of the whole, in one read (each chunk also goes to
+    `feed`, if given)."""
     import xxhash
 
     whole = xxhash.xxh3_128()
     hashes = []
+    buf = bytearray(chunk_bytes)
+    view = memoryview(buf)
     with open(path, "rb") as f:
-        while data := f.read(chunk_bytes):
-            hashes.append(xxhash.xxh3_64_intdigest(data))
-            whole.update(data)
+        while n := f.readinto(buf):
+            hashes.append(xxhash.xxh3_64_intdigest(view[:n]))
+            whole.update(view[:n])
+            if feed is not None:
+                feed(view[:n])
     return hashes, whole.hexdigest()
+
+
+def scan_version(target: Path, chunk_bytes: int, algorithm: str | None = None) -> tuple[str, list[dict[str, Any]]]:
+    """A version directory's digest (weights/digest.py) and the manifest entries of its files served whole, in
+    one read of its files."""
+    digest = Digest(algorithm or default_algorithm())
+    files = []
+    for path in sorted(p for p in target.iterdir() if p.is_file() and not p.name.startswith(".")):
+        weights = path.suffix == ".safetensors"
+        if weights:  # in name order, as weights_digest takes them
+            digest.file(path.name)
+        hashes, whole = chunk_hashes(path, chunk_bytes, digest.update if weights else None)
+        files.append({"name": path.name, "size": path.stat().st_size, "xxh": whole, "chunks": hashes,
+                      "source": str(path)})
+    if not any(f["name"].endswith(".safetensors") for f in files):
+        raise FileNotFoundError(f"no .safetensors files in {target}")
+    return digest.value(), files
 
 
 def advertised(bind_host: str, advertise: str, port: int) -> str:
@@ -119,7 +142,7 @@ class WeightServer:
         self._builder = ThreadPoolExecutor(1, thread_name_prefix="weights-builder")
         self._manifests: dict[tuple, Future] = {}
         self._manifests_lock = threading.Lock()  # the serving thread and the publishing thread (`prepare`)
-        self._asked: set[bool] = set()  # the kinds of manifest clients have asked for: True for a delta
+        self._delta_asked = False  # whether clients have asked for deltas: `add` builds them ahead then
         self._digests: dict[tuple[int, tuple[int, int] | None], str] = {}
         self._waiting: list[tuple[Future, bytes, bytes, Request]] = []
         self._stop = threading.Event()
@@ -195,20 +218,30 @@ class WeightServer:
             self._error(ident, request.req, "busy", "too many requests wait for a manifest; ask again later")
             return
         if command == MANIFEST:
-            self._asked.add(request.base is not None and self.deltas)
+            self._delta_asked |= request.base is not None and self.deltas
         future = self._manifest(request.version, request.base, request.base_digest)
         self._waiting.append((future, ident, command, request))
 
-    def prepare(self, version: int, previous: tuple[int, str] | None) -> None:
-        """Start building, as soon as `version` is written, the manifests clients will ask for once it is
-        announced: whole if they have asked for whole versions, and the delta from `previous` (the version
-        published before it, and its digest) if they have taken deltas. Explorers then find them built instead
-        of waiting for the build (a delta of the default model: about 0.5 s). A server nobody fetches from
-        builds nothing."""
-        if True in self._asked and previous is not None:
+    def add(self, version: int, previous: tuple[int, str] | None) -> str:
+        """`version` is written under the served directory: take its digest and its whole manifest in one read
+        (on the caller's thread: the publisher's, which needs the digest anyway), and start building the delta
+        from `previous` (the version published before it, and its digest) if clients have taken deltas. An
+        explorer that asks once the version is announced finds its manifest ready instead of waiting for the
+        build (a delta of the default model: about 0.5 s). Returns the digest."""
+        target = self._version_dir(version)
+        key = (version, self._stamp(version))
+        cpu = time.thread_time()
+        digest, files = scan_version(target, self.chunk_bytes)
+        self._build_cpu += time.thread_time() - cpu
+        self._digests[key] = digest
+        whole: Future = Future()
+        whole.set_result({"version": version, "digest": digest, "chunk_bytes": self.chunk_bytes, "base": None,
+                          "files": files})
+        with self._manifests_lock:
+            self._remember((*key, None, ""), whole)
+        if self._delta_asked and previous is not None:
             self._manifest(version, *previous)
-        if False in self._asked:
-            self._manifest(version, None, "")
+        return digest
 
     def _answer_ready(self) -> None:
         still = []
@@ -267,10 +300,13 @@ class WeightServer:
             future = self._manifests.get(key)
             if future is None or (future.done() and future.exception() is not None):
                 future = self._builder.submit(self._build, version, base, base_digest)
-                self._manifests[key] = future
-                if len(self._manifests) > 32:
-                    self._manifests.pop(next(iter(self._manifests)))
+                self._remember(key, future)
         return future
+
+    def _remember(self, key: tuple, future: Future) -> None:
+        self._manifests[key] = future
+        if len(self._manifests) > 32:
+            self._manifests.pop(next(iter(self._manifests)))
 
     def _version_dir(self, version: int) -> Path:
         path = self.dir / f"v{version}"
@@ -311,10 +347,17 @@ class WeightServer:
                     base_dir = self._version_dir(base)
             except Gone:
                 pass
+        if base_dir is None:
+            digest, files = scan_version(target, self.chunk_bytes)
+            self._digests.setdefault((version, self._stamp(version)), digest)
+            log.info("weights_manifest_built", policy_version=version, base=None, files=len(files), deltas=0,
+                     seconds=round(time.monotonic() - started, 3))
+            return {"version": version, "digest": digest, "chunk_bytes": self.chunk_bytes, "base": None,
+                    "files": files}
         files, deltas = [], 0
         for path in sorted(p for p in target.iterdir() if p.is_file() and not p.name.startswith(".")):
             source, delta = path, None
-            if base_dir is not None and path.suffix == ".safetensors" and (base_dir / path.name).is_file():
+            if path.suffix == ".safetensors" and (base_dir / path.name).is_file():
                 pair = f"v{base}-v{version}.{base_digest[-12:]}{self._digest(version)[-12:]}"
                 blob = self.dir / DELTAS / pair / f"{path.name}.zst"
                 blob.parent.mkdir(parents=True, exist_ok=True)

@@ -125,6 +125,7 @@ class Receiver:
         self.failed: set[int] = set()  # versions whose broadcast failed here: they come by checkpoint or fetch
         self.held = None  # fetch.Base of the version the engine holds, when it is held as files
         self._retry_at: dict[int, float] = {}  # version -> when a failed fetch of it may be tried again
+        self._warmer = None  # fetch.SpareWarmer writing a spare for the next fetch, until that fetch starts
 
     def load(self, engine: Engine, state: dict[str, Any] | None) -> bool:
         """Bring `engine` to the version of the weight state `state`; True if it loaded it."""
@@ -163,7 +164,7 @@ class Receiver:
         self.held = Base(state["version"], path, state["digest"])
 
     def _fetch(self, engine: Engine, state: dict[str, Any]) -> bool:
-        from rlbus.weights.fetch import DeltaFailed, FetchFailed, fetch_version, retire
+        from rlbus.weights.fetch import SPARE, DeltaFailed, FetchFailed, SpareWarmer, fetch_version, retire
 
         version = state["version"]
         if time.monotonic() < self._retry_at.get(version, 0.0):
@@ -175,6 +176,7 @@ class Receiver:
                                  server_key=state.get("fetch_key", ""), client_secret_file=self.client_secret_file,
                                  timeout_s=self.fetch_timeout_s)
 
+        self._stop_warmer()  # what it wrote so far is the spare this fetch writes over
         try:
             try:
                 got = fetch(base)
@@ -192,7 +194,18 @@ class Receiver:
         engine.reload(checkpoint_source(got.path), version)  # fetch_version checked the digest
         self._hold(state, got.path)
         retire(self.fetch_dir, keep=got.path)
+        if not any((self.fetch_dir / SPARE).glob("*.safetensors")):  # none older to write the next one over
+            self._warmer = SpareWarmer(self.fetch_dir, got.path)
         return True
+
+    def close(self) -> None:
+        """Stop writing a spare, if one is being written (at once: what was written stays usable)."""
+        self._stop_warmer()
+
+    def _stop_warmer(self) -> None:
+        if self._warmer is not None:
+            self._warmer.stop()
+            self._warmer = None
 
     def _kept(self):
         """After a restart: the newest version fetched before, as a delta base (the server checks its digest)."""

@@ -25,7 +25,7 @@ from rlbus.common import protocol as P  # noqa: E402
 from rlbus.common.curve import make_keys  # noqa: E402
 from rlbus.weights.delta import apply_delta, make_delta  # noqa: E402
 from rlbus.weights.digest import weights_digest  # noqa: E402
-from rlbus.weights.fetch import SPARE, Base, FetchFailed, fetch_version, retire  # noqa: E402
+from rlbus.weights.fetch import SPARE, Base, FetchFailed, SpareWarmer, fetch_version, retire  # noqa: E402
 from rlbus.weights.server import CHUNK, MAGIC, MANIFEST, WeightServer  # noqa: E402
 from tests.conftest import REPO, free_port  # noqa: E402
 
@@ -124,18 +124,51 @@ def test_a_fetch_writes_over_the_spare_version_whole_or_by_delta(served, tmp_pat
         assert sorted(p.name for p in dest.iterdir()) == [SPARE, "v3"] and same_files(dest / SPARE, root / "v2")
 
 
+def test_an_explorer_with_one_version_writes_a_spare_for_the_next_fetch(served, tmp_path):
+    from rlbus.weights.sync import Receiver
+
+    server, root, digests = served
+    weights = "model.safetensors"
+    engine, receiver = RecordingEngine(), Receiver("e", tmp_path / "fetched", mode="fetch")
+    assert receiver.load(engine, state_of(server, root, digests, 1))
+    assert receiver._warmer is not None and receiver._warmer.wait(30)
+    spare = tmp_path / "fetched" / SPARE / weights
+    assert spare.stat().st_size == (root / "v1" / weights).stat().st_size
+    inode = spare.stat().st_ino
+    assert receiver.load(engine, state_of(server, root, digests, 2))
+    assert (tmp_path / "fetched" / "v2" / weights).stat().st_ino == inode, "written over the spare"
+    assert same_files(tmp_path / "fetched" / "v2", root / "v2")
+    assert receiver._warmer is None  # v1 is the spare now
+    assert sorted(p.name for p in (tmp_path / "fetched").iterdir()) == [SPARE, "v2"]
+    assert same_files(tmp_path / "fetched" / SPARE, root / "v1")
+    receiver.close()
+    # A spare cut short (a fetch began while it was written) still serves, as far as it goes.
+    dest = tmp_path / "cut"
+    first = fetch_version(server.address, 1, digests[1], dest)
+    warmer = SpareWarmer(dest, first.path)
+    warmer.stop()
+    assert warmer.wait(0)
+    second = fetch_version(server.address, 2, digests[2], dest)
+    assert same_files(second.path, root / "v2")
+
+
 def test_the_server_builds_ahead_the_delta_clients_will_ask_for(served, tmp_path):
     import time
 
     server, root, digests = served
     deltas = root / ".deltas"
     built = lambda: sorted(p.name.split(".")[0] for p in deltas.glob("v*-v*")) if deltas.is_dir() else []  # noqa: E731
-    server.prepare(3, (2, digests[2]))  # nobody has fetched yet: nothing is built ahead
-    fetch_version(server.address, 1, digests[1], tmp_path / "sync")  # queued behind anything prepare queued
+    # v3 is written: `add` takes its digest and whole manifest in one read; nobody has taken a delta yet, so
+    # none is built ahead.
+    assert server.add(3, (2, digests[2])) == digests[3]
+    fetch_version(server.address, 1, digests[1], tmp_path / "sync")  # queued behind anything `add` queued
     assert built() == []
+    whole = server._manifest(3, None, "")
+    assert whole.done(), "the whole manifest was made by add, not left to the builder"
+    assert whole.result()["files"] == server._build_manifest(3, None, "")["files"]
     second = fetch_version(server.address, 2, digests[2], tmp_path / "e", Base(1, root / "v1", digests[1]))
     assert second.base == 1 and built() == ["v1-v2"]
-    server.prepare(3, (2, digests[2]))  # v3 is written: its delta from v2 is built before anyone asks
+    server.add(3, (2, digests[2]))  # v3 again: now its delta from v2 is built before anyone asks
     deadline = time.monotonic() + 30
     while built() != ["v1-v2", "v2-v3"]:
         assert time.monotonic() < deadline, built()
