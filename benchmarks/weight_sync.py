@@ -160,8 +160,8 @@ class Fleet:
 
     def add(self, name: str) -> None:
         args = [sys.executable, "-m", "rlbus.cli", "explorer", "--broker", self.broker, "--name", name]
-        for s in (f"broker.pub_port={self.pub_port}", f"model.path={self.model}", "explorer.memory_fraction=0.15",
-                  "rollout.max_tokens=4", "explorer.tasks_per_lease=1", "logging.format=json",
+        for s in (f"broker.pub_port={self.pub_port}", f"model.path={self.model}", f"run.dir={self.logs.parent}",
+                  "explorer.memory_fraction=0.15", "rollout.max_tokens=4", "explorer.tasks_per_lease=1", "logging.format=json",
                   f"logging.file={self.logs / name}.jsonl",
                   *([f"explorer.weights_dir={self.fetch_dir}/{name}"] if self.fetch_dir else [])):
             args += ["--set", s]
@@ -218,7 +218,7 @@ def main() -> None:
     ap.add_argument("--max-k", type=int, default=4, choices=(1, 2, 4), help="explorers at the most")
     ap.add_argument("--lr", type=float, default=1e-5, help="the size of each simulated Adam step")
     ap.add_argument("--fetch-dir", default="", help="where explorers keep fetched versions (default: their run "
-                                                     "directory, on the disk the trainer writes to as well)")
+                                                     "directory, a temporary one on the disk the trainer writes to)")
     ap.add_argument("--keep", action="store_true", help="keep the run directory (weights, logs) after the run")
     ap.add_argument("--smoke", action="store_true", help="one version per method, one explorer")
     args = ap.parse_args()
