@@ -61,6 +61,7 @@ class Explorer:
         self.name = name or cfg.explorer.name or default_name("explorer")
         self.reward_fn = from_config(cfg.reward)
         self.stop_event = threading.Event()
+        self.announced = threading.Event()  # set when the bus announces a version (and by stop), to wake a wait
         self.batches = 0
         self.client: BrokerClient | None = None
         self.evaluated: set[int] = set()
@@ -74,7 +75,8 @@ class Explorer:
                                    heartbeat_interval_s=b.heartbeat_interval_s, liveness=b.liveness,
                                    policy_version=self.engine.version,
                                    capabilities=self._capabilities(), rollout=self._rollout_given(),
-                                   curve_server_key=b.curve_server_key, curve_client_key=b.curve_client_key)
+                                   curve_server_key=b.curve_server_key, curve_client_key=b.curve_client_key,
+                                   on_weights=lambda state: self.announced.set())
         welcome = self.client.start(timeout=60)
         if self.cfg.reward.service:
             from rlbus.reward.worker import RemoteReward
@@ -110,6 +112,7 @@ class Explorer:
 
     def stop(self) -> None:
         self.stop_event.set()
+        self.announced.set()
         if self.client is not None:
             self.client.stopping()  # a broker that is gone too is not waited for
 
@@ -125,12 +128,13 @@ class Explorer:
         log.info("waiting_for_weights", policy_version=self.engine.version, need_version=need)
         started = time.monotonic()
         while not self.stop_event.is_set():
+            self.announced.clear()  # before reading the state: an announcement after this wakes the wait below
             state = self.client.weights or {}
             if state.get("version", 0) >= need:
                 self._load_newest()
                 if self.engine.version >= need:
                     break
-            self._hold(min(0.05, retry_after))
+            self._hold(min(0.05, retry_after), self.announced)
         log.info("weights_wait_over", policy_version=self.engine.version, need_version=need,
                  waited_s=round(time.monotonic() - started, 3))
 
@@ -235,10 +239,11 @@ class Explorer:
         else:
             self._hold(header["retry_after_s"])
 
-    def _hold(self, seconds: float) -> None:
-        """Wait with nothing to generate because the broker said WAIT (counted as `held_s`)."""
+    def _hold(self, seconds: float, until: threading.Event | None = None) -> None:
+        """Wait with nothing to generate because the broker said WAIT (counted as `held_s`), at most `seconds`,
+        and no longer than until stop() or `until` is set."""
         started = time.monotonic()
-        self.stop_event.wait(seconds)
+        (until or self.stop_event).wait(seconds)
         self._activity.held_s += time.monotonic() - started
 
     def _put(self, groups: list[list[tuple[dict, bytes]]]) -> Future:
