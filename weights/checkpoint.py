@@ -5,7 +5,7 @@ the explorers' dtype) so training can go on; `publish(snapshot, version,
 step)`, run on the trainer's publishing thread, writes safetensors, config,
 tokenizer and chat template into a temporary directory, fsyncs it, renames it
 into place atomically, so an explorer never sees half a checkpoint, and
-computes its digest (which is announced only once computed). It returns the weight state that goes into PUBLISH
+computes its digest. It returns the weight state that goes into PUBLISH
 (version, method, location, digest, step). `checkpoint_tensors` is the
 receiving side: it runs inside the engine's workers.
 """

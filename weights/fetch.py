@@ -40,8 +40,8 @@ import zmq
 from rlbus.common import protocol as P
 from rlbus.weights.checkpoint import version_dirs
 from rlbus.weights.delta import apply_delta
-from rlbus.weights.digest import Digest, matches
-from rlbus.weights.server import CHUNK, ERROR, MAGIC, MANIFEST, chunk_hashes
+from rlbus.weights.digest import Digest, chunk_hashes, matches
+from rlbus.weights.server import CHUNK, ERROR, MAGIC, MANIFEST
 
 log = structlog.get_logger()
 

@@ -30,7 +30,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import msgspec
 import structlog
@@ -39,7 +39,7 @@ import zmq
 from rlbus.common import protocol as P
 from rlbus.weights.checkpoint import version_dirs
 from rlbus.weights.delta import make_delta
-from rlbus.weights.digest import Digest, default_algorithm, weights_digest
+from rlbus.weights.digest import chunk_hashes, scan_version, weights_digest
 
 log = structlog.get_logger()
 
@@ -61,42 +61,6 @@ class Request(msgspec.Struct, forbid_unknown_fields=False):
 
 class Gone(Exception):
     """The version (or its base) is not held here (never published, or pruned)."""
-
-
-def chunk_hashes(path: Path, chunk_bytes: int, feed: Callable[[memoryview], None] | None = None
-                 ) -> tuple[list[int], str]:
-    """The xxh3-64 of every chunk of a file and the xxh3-128 of the whole, in one read (each chunk also goes to
-    `feed`, if given)."""
-    import xxhash
-
-    whole = xxhash.xxh3_128()
-    hashes = []
-    buf = bytearray(chunk_bytes)
-    view = memoryview(buf)
-    with open(path, "rb") as f:
-        while n := f.readinto(buf):
-            hashes.append(xxhash.xxh3_64_intdigest(view[:n]))
-            whole.update(view[:n])
-            if feed is not None:
-                feed(view[:n])
-    return hashes, whole.hexdigest()
-
-
-def scan_version(target: Path, chunk_bytes: int, algorithm: str | None = None) -> tuple[str, list[dict[str, Any]]]:
-    """A version directory's digest (weights/digest.py) and the manifest entries of its files served whole, in
-    one read of its files."""
-    digest = Digest(algorithm or default_algorithm())
-    files = []
-    for path in sorted(p for p in target.iterdir() if p.is_file() and not p.name.startswith(".")):
-        weights = path.suffix == ".safetensors"
-        if weights:  # in name order, as weights_digest takes them
-            digest.file(path.name)
-        hashes, whole = chunk_hashes(path, chunk_bytes, digest.update if weights else None)
-        files.append({"name": path.name, "size": path.stat().st_size, "xxh": whole, "chunks": hashes,
-                      "source": str(path)})
-    if not any(f["name"].endswith(".safetensors") for f in files):
-        raise FileNotFoundError(f"no .safetensors files in {target}")
-    return digest.value(), files
 
 
 def advertised(bind_host: str, advertise: str, port: int) -> str:
@@ -141,7 +105,7 @@ class WeightServer:
         self.address = advertised(host, advertise, port)
         self._builder = ThreadPoolExecutor(1, thread_name_prefix="weights-builder")
         self._manifests: dict[tuple, Future] = {}
-        self._manifests_lock = threading.Lock()  # the serving thread and the publishing thread (`prepare`)
+        self._manifests_lock = threading.Lock()  # the serving thread and the publishing thread (`add`)
         self._delta_asked = False  # whether clients have asked for deltas: `add` builds them ahead then
         self._digests: dict[tuple[int, tuple[int, int] | None], str] = {}
         self._waiting: list[tuple[Future, bytes, bytes, Request]] = []
@@ -228,20 +192,16 @@ class WeightServer:
         from `previous` (the version published before it, and its digest) if clients have taken deltas. An
         explorer that asks once the version is announced finds its manifest ready instead of waiting for the
         build (a delta of the default model: about 0.5 s). Returns the digest."""
-        target = self._version_dir(version)
-        key = (version, self._stamp(version))
         cpu = time.thread_time()
-        digest, files = scan_version(target, self.chunk_bytes)
+        whole = self._scan(version)
         self._build_cpu += time.thread_time() - cpu
-        self._digests[key] = digest
-        whole: Future = Future()
-        whole.set_result({"version": version, "digest": digest, "chunk_bytes": self.chunk_bytes, "base": None,
-                          "files": files})
+        made: Future = Future()
+        made.set_result(whole)
         with self._manifests_lock:
-            self._remember((*key, None, ""), whole)
+            self._remember((version, self._stamp(version), None, ""), made)
         if self._delta_asked and previous is not None:
             self._manifest(version, *previous)
-        return digest
+        return whole["digest"]
 
     def _answer_ready(self) -> None:
         still = []
@@ -330,6 +290,15 @@ class WeightServer:
             self._digests[key] = weights_digest(self._version_dir(version))
         return self._digests[key]
 
+    def _scan(self, version: int) -> dict[str, Any]:
+        """The manifest of `version` served whole, and its digest remembered, from one read of its files."""
+        started = time.monotonic()
+        digest, files = scan_version(self._version_dir(version), self.chunk_bytes)
+        self._digests[(version, self._stamp(version))] = digest
+        log.info("weights_manifest_built", policy_version=version, base=None, files=len(files), deltas=0,
+                 seconds=round(time.monotonic() - started, 3))
+        return {"version": version, "digest": digest, "chunk_bytes": self.chunk_bytes, "base": None, "files": files}
+
     def _build(self, version: int, base: int | None, base_digest: str) -> dict[str, Any]:
         cpu = time.thread_time()
         try:
@@ -348,12 +317,7 @@ class WeightServer:
             except Gone:
                 pass
         if base_dir is None:
-            digest, files = scan_version(target, self.chunk_bytes)
-            self._digests.setdefault((version, self._stamp(version)), digest)
-            log.info("weights_manifest_built", policy_version=version, base=None, files=len(files), deltas=0,
-                     seconds=round(time.monotonic() - started, 3))
-            return {"version": version, "digest": digest, "chunk_bytes": self.chunk_bytes, "base": None,
-                    "files": files}
+            return self._scan(version)
         files, deltas = [], 0
         for path in sorted(p for p in target.iterdir() if p.is_file() and not p.name.startswith(".")):
             source, delta = path, None

@@ -181,7 +181,7 @@ def test_the_digest_taken_as_chunks_arrive_in_any_order_is_the_digest_of_the_fil
     import random
 
     from rlbus.weights.fetch import _InOrderDigest
-    from rlbus.weights.server import chunk_hashes
+    from rlbus.weights.digest import chunk_hashes
 
     root = tmp_path / "v"
     root.mkdir()
