@@ -161,7 +161,8 @@ class Fleet:
     def add(self, name: str) -> None:
         args = [sys.executable, "-m", "rlbus.cli", "explorer", "--broker", self.broker, "--name", name]
         for s in (f"broker.pub_port={self.pub_port}", f"model.path={self.model}", f"run.dir={self.logs.parent}",
-                  "explorer.memory_fraction=0.15", "rollout.max_tokens=4", "explorer.tasks_per_lease=1", "logging.format=json",
+                  "explorer.memory_fraction=0.15", "rollout.max_tokens=4", "explorer.tasks_per_lease=1",
+                  "logging.format=json",
                   f"logging.file={self.logs / name}.jsonl",
                   *([f"explorer.weights_dir={self.fetch_dir}/{name}"] if self.fetch_dir else [])):
             args += ["--set", s]

@@ -166,17 +166,19 @@ def _recycle(spare: Path, local: Path) -> bool:
     return True
 
 
-def retire(dest: str | Path, keep: Path) -> None:
-    """After `keep` is loaded: the newest other version under `dest` becomes the spare, the rest are removed."""
+def retire(dest: str | Path, keep: Path) -> bool:
+    """After `keep` is loaded: the newest other version under `dest` becomes the spare, the rest are removed.
+    False when there was no other version to keep (the caller may write a spare with `SpareWarmer`)."""
     dest = Path(dest)
     others = [path for _, path in version_dirs(dest) if path != keep]
     if not others:
-        return
+        return False
     spare = dest / SPARE
     shutil.rmtree(spare, ignore_errors=True)
     os.replace(others.pop(), spare)
     for path in others:
         shutil.rmtree(path, ignore_errors=True)
+    return True
 
 
 class SpareWarmer:

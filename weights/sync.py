@@ -164,7 +164,7 @@ class Receiver:
         self.held = Base(state["version"], path, state["digest"])
 
     def _fetch(self, engine: Engine, state: dict[str, Any]) -> bool:
-        from rlbus.weights.fetch import SPARE, DeltaFailed, FetchFailed, SpareWarmer, fetch_version, retire
+        from rlbus.weights.fetch import DeltaFailed, FetchFailed, SpareWarmer, fetch_version, retire
 
         version = state["version"]
         if time.monotonic() < self._retry_at.get(version, 0.0):
@@ -193,8 +193,7 @@ class Receiver:
                  resent=got.resent)
         engine.reload(checkpoint_source(got.path), version)  # fetch_version checked the digest
         self._hold(state, got.path)
-        retire(self.fetch_dir, keep=got.path)
-        if not any((self.fetch_dir / SPARE).glob("*.safetensors")):  # none older to write the next one over
+        if not retire(self.fetch_dir, keep=got.path):  # none older to write the next one over: write one
             self._warmer = SpareWarmer(self.fetch_dir, got.path)
         return True
 
