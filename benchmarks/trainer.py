@@ -19,17 +19,36 @@ publishing: the snapshot on the training thread (at N, gathered from the
 shards) and the whole publish (written and announced). On a 2-core machine
 no speedup is expected at N = 2; the figure is there to catch overhead.
 
-    python benchmarks/trainer.py [--steps N] [--world-size N]
+With `--serve N` it then measures what serving weights costs the trainer:
+the shared-prompt variant as an `rlbus trainer` process pinned to half of
+this host's cores (the other half stands for the explorers' hosts: the
+broker and N fetch clients run there), with nobody fetching, with N clients
+that fetch every version it publishes from its weight server (`sync.serve`,
+deltas on, as explorers on other hosts do), and with the same clients taking
+whole versions only; `--serve-rounds` alternations of the three. The
+server's reads, delta builds and sends run in the trainer's process, on its
+cores, so the step time with clients against without is the slowdown that
+serving causes. Step i trains the same batch in every run, so steps are
+also compared in pairs.
+
+    python benchmarks/trainer.py [--steps N] [--world-size N] [--serve N [--serve-rounds R]]
 
 Last line: one JSON object with tokens_per_s and non_compute_share (shared
-prompts), ratio_to_rows, each variant's figures, and with --world-size a
-"ranks" object (per world size, and the ratio of N's tokens/s to 1's).
+prompts), ratio_to_rows, each variant's figures, with --world-size a "ranks"
+object (per world size, and the ratio of N's tokens/s to 1's), and with
+--serve a "serving" object: per variant (deltas, whole) its step_slowdown (total
+step time over the baseline's, minus 1), the median of the paired steps', and
+the versions its clients fetched; step_slowdown at the top is the deltas'.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
+import os
+import queue
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -68,43 +87,141 @@ def fill(port: int, steps: int) -> None:
     feeder.close()
 
 
-def run_variant(model: str, steps: int, shared_prompt: bool, micro_batch: int, world: int = 0
-                ) -> tuple[list[dict], list[dict]]:
+class Holder:
+    """What a fetch client needs of an engine: the version it holds (nothing is reloaded)."""
+
+    version = 0
+
+    def reload(self, source: dict, version: int) -> dict:
+        self.version = version
+        return {}
+
+
+def fetcher(broker: str, bus: str, fetch_dir: str, stop, results) -> None:
+    """A fetch client on another host: every version the bus announces, fetched from the trainer's weight
+    server by the explorer's own receiver (a delta against the version held, when the server has one)."""
+    from structlog.testing import capture_logs
+
+    from rlbus.common.client import BrokerClient
+    from rlbus.weights.sync import Receiver
+
+    announced: queue.Queue = queue.Queue()
+    client = BrokerClient(broker, "tool", bus_address=bus, on_weights=announced.put)
+    client.start(60)
+    # A fetch that has begun when the trainer exits waits for its server this long before the client stops.
+    receiver, engine = Receiver("fetcher", fetch_dir, mode="fetch", fetch_timeout_s=10), Holder()
+    with capture_logs() as logs:
+        while not stop.is_set():
+            try:
+                state = announced.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            while not announced.empty():  # only the newest matters
+                state = announced.get_nowait()
+            if state.get("fetch_from") and state["version"] > engine.version:
+                receiver.load(engine, state)
+    receiver.close()
+    client.close(bye=True)
+    results.put([{k: e[k] for k in ("policy_version", "base", "bytes", "seconds")}
+                 for e in logs if e["event"] == "weights_fetched"])
+
+
+def run_variant(model: str, steps: int, shared_prompt: bool, micro_batch: int, world: int = 0,
+                fetchers: int = -1, extra: list[str] = ()) -> tuple[list[dict], list[dict]]:
     """`steps` + 1 trainer steps against a broker filled with default-task-shaped groups: their train_step
     events (the first, which pays one-time warm-up, left out) and weights_published events. In this process,
-    or with `world` > 0 as `rlbus trainer` with that many ranks."""
+    or with `world` > 0 as `rlbus trainer` with that many ranks. With `fetchers` >= 0 (and `world` 1), the
+    trainer runs on half of this host's cores and the broker and that many fetch clients on the other half
+    (their figures are added to the last weights_published event as "fetched")."""
     from structlog.testing import capture_logs
 
     from rlbus.common.config import load_config
     from rlbus.logview import events
 
     port, pub = free_port(), free_port()
+    cores = sorted(os.sched_getaffinity(0))
+    trainer_cores, other_cores = set(cores[:len(cores) // 2]), set(cores[len(cores) // 2:])
+    fetched: list = []
     with tempfile.TemporaryDirectory(prefix="rlbus-bench-") as tmp:
         sets = [f"broker.port={port}", f"broker.pub_port={pub}", f"buffer.dir={tmp}/buffer", f"run.dir={tmp}",
                 "sync.sync_style=async", "sync.max_staleness=1000", "rollout.repeat=8", "data.batch_tasks=4",
                 "logging.level=warning"]
+        if fetchers >= 0:
+            os.sched_setaffinity(0, other_cores)  # the broker and the fetch clients inherit the other half
         with broker_process(sets, Path(tmp) / "buffer"):
             fill(port, steps + 1)
+            ctx = mp.get_context("spawn")
+            stop, results = ctx.Event(), ctx.Queue()
+            clients = [ctx.Process(target=fetcher, args=(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{pub}",
+                                                         f"{tmp}/fetched-{i}", stop, results))
+                       for i in range(max(fetchers, 0))]
+            for c in clients:
+                c.start()
             trainer_sets = sets + [f"broker.address=tcp://127.0.0.1:{port}", "trainer.checkpoint_every=0",
                                    f"trainer.total_steps={steps + 1}", f"trainer.micro_batch={micro_batch}",
                                    f"trainer.shared_prompt={shared_prompt}", "trainer.autocast=bfloat16",
-                                   "sync.sync_interval=1", f"model.path={model}"]
+                                   "sync.sync_interval=1", f"model.path={model}", *extra]
             if world:
                 log = Path(tmp) / "trainer.jsonl"
                 argv = [sys.executable, "-m", "rlbus.cli", "trainer"]
-                for item in trainer_sets + [f"trainer.world_size={world}", "logging.level=info",
-                                            "logging.format=json", f"logging.file={log}"]:
+                pinned = [f"trainer.threads={len(trainer_cores)}"] if fetchers >= 0 else []
+                for item in trainer_sets + pinned + [f"trainer.world_size={world}", "logging.level=info",
+                                                     "logging.format=json", f"logging.file={log}"]:
                     argv += ["--set", item]
-                subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=1800)
+                subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=1800,
+                               preexec_fn=(lambda: os.sched_setaffinity(0, trainer_cores)) if fetchers >= 0 else None)
                 logs = events(log)
+                stop.set()
+                for _ in clients:
+                    try:
+                        fetched.append(results.get(timeout=120))
+                    except queue.Empty:
+                        raise RuntimeError(f"a fetch client gave no figures (exit codes: "
+                                           f"{[c.exitcode for c in clients]})") from None
+                for c in clients:
+                    c.join(60)
             else:
                 from rlbus.trainer.main import Trainer
 
                 trainer = Trainer(load_config(None, trainer_sets, environ={}), model)
                 with capture_logs() as logs:
                     trainer.run(max_steps=steps + 1)
-    return ([e for e in logs if e["event"] == "train_step"][1:],
-            [e for e in logs if e["event"] == "weights_published" and "seconds" in e][1:])
+        if fetchers >= 0:
+            os.sched_setaffinity(0, set(cores))
+    published = [e for e in logs if e["event"] == "weights_published" and "seconds" in e][1:]
+    if published and fetchers >= 0:
+        published[-1] = dict(published[-1], fetched=fetched)
+    return [e for e in logs if e["event"] == "train_step"][1:], published
+
+
+def serving_cost(model: str, steps: int, fetchers: int, rounds: int) -> dict:
+    """The trainer's step time on its own cores while `fetchers` clients fetch every version (deltas, then
+    whole versions only) against nobody fetching; `rounds` alternations, steps paired by index (step i trains
+    the same batch in every run)."""
+    variants = (("baseline", 0, []), ("deltas", fetchers, []), ("whole", fetchers, ["sync.serve_deltas=false"]))
+    steps_of: dict[str, list[list[dict]]] = {name: [] for name, _, _ in variants}
+    fetched_of: dict[str, list] = {name: [] for name, _, _ in variants}
+    for r in range(rounds):
+        for name, n, extra in variants:
+            got, published = run_variant(model, steps, True, 32, world=1, fetchers=n, extra=extra)
+            summarize(f"round {r + 1} {name} ({n} fetching)", got, published)
+            steps_of[name].append(got)
+            fetched_of[name] += [f for per in (published[-1].get("fetched", []) if published else []) for f in per]
+    base = [e["step_s"] for run in steps_of["baseline"] for e in run]
+    out: dict = {"fetchers": fetchers, "rounds": rounds, "baseline_mean_step_s": round(statistics.mean(base), 3)}
+    for name in ("deltas", "whole"):
+        mine = [e["step_s"] for run in steps_of[name] for e in run]
+        paired = [m / b - 1 for m, b in zip(mine, base)]
+        got = fetched_of[name]
+        out[name] = {"mean_step_s": round(statistics.mean(mine), 3),
+                     "step_slowdown": round(sum(mine) / sum(base) - 1, 4),
+                     "median_paired_slowdown": round(statistics.median(paired), 4),
+                     "versions_fetched": len(got), "deltas_fetched": sum(1 for f in got if f["base"]),
+                     "median_fetch_s": round(statistics.median(f["seconds"] for f in got), 3) if got else None}
+        print(f"serving {fetchers} fetch clients ({name}): trainer steps {out[name]['step_slowdown']:+.1%} "
+              f"(median of paired steps {out[name]['median_paired_slowdown']:+.1%}), {len(got)} versions fetched")
+    out["step_slowdown"] = out["deltas"]["step_slowdown"]
+    return out
 
 
 def summarize(name: str, steps: list[dict], published: list[dict]) -> dict:
@@ -135,12 +252,20 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m", help="bundled model name or a model directory")
     ap.add_argument("--world-size", type=int, default=0,
                     help="also run `rlbus trainer` at world size 1 and at this many ranks (FSDP2), and compare")
+    ap.add_argument("--serve", type=int, default=0, metavar="N",
+                    help="also measure the trainer's step time while N clients fetch every version it publishes")
+    ap.add_argument("--serve-rounds", type=int, default=2, metavar="R",
+                    help="--serve: alternations of the runs without and with clients (default 2)")
     ap.add_argument("--smoke", action="store_true", help="one timed step: checks that the benchmark runs")
     args = ap.parse_args()
     if args.smoke:
         args.steps = 1
     if args.world_size == 1 or args.world_size < 0:
         ap.error("--world-size: 2 or more (world size 1 is always run beside it)")
+    if args.serve_rounds < 1:
+        ap.error("--serve-rounds: 1 or more")
+    if args.serve < 0 or (args.serve and len(os.sched_getaffinity(0)) < 2):
+        ap.error("--serve: a number of fetch clients, on a host with 2 or more cores (the trainer gets half)")
 
     from rlbus.weights.models import resolve_model
 
@@ -160,6 +285,8 @@ def main() -> None:
         ratio = ranks[str(args.world_size)]["tokens_per_s"] / ranks["1"]["tokens_per_s"]
         print(f"world size {args.world_size}: {ratio:.2f}x the trained tokens/s of world size 1")
         out["ranks"] = {**ranks, "ratio_to_world_size_1": round(ratio, 3)}
+    if args.serve:
+        out["serving"] = serving_cost(model, args.steps, args.serve, 1 if args.smoke else args.serve_rounds)
     print(json.dumps(out))
 
 

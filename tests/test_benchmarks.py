@@ -23,7 +23,7 @@ from tests.conftest import REPO
 BENCHMARKS = {
     "broker_throughput": [],
     "reward": [],
-    "trainer": ["--model", "{tiny}", "--world-size", "2"],
+    "trainer": ["--model", "{tiny}", "--world-size", "2", "--serve", "2"],
     "explorer": ["--model", "{tiny}"],
     "weight_sync": ["--model", "{tiny}"],
     "modes": ["--model", "{tiny}"],
