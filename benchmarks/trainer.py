@@ -194,11 +194,12 @@ def run_variant(model: str, steps: int, shared_prompt: bool, micro_batch: int, w
     return [e for e in logs if e["event"] == "train_step"][1:], published
 
 
-def serving_cost(model: str, steps: int, fetchers: int, rounds: int) -> dict:
-    """The trainer's step time on its own cores while `fetchers` clients fetch every version (deltas, then
-    whole versions only) against nobody fetching; `rounds` alternations, steps paired by index (step i trains
+def serving_cost(model: str, steps: int, fetchers: int, rounds: int, whole: bool = True) -> dict:
+    """The trainer's step time on its own cores while `fetchers` clients fetch every version (deltas, then,
+    with `whole`, whole versions only) against nobody fetching; `rounds` alternations, steps paired by index (step i trains
     the same batch in every run)."""
-    variants = (("baseline", 0, []), ("deltas", fetchers, []), ("whole", fetchers, ["sync.serve_deltas=false"]))
+    variants = (("baseline", 0, []), ("deltas", fetchers, []),
+                *([("whole", fetchers, ["sync.serve_deltas=false"])] if whole else []))
     steps_of: dict[str, list[list[dict]]] = {name: [] for name, _, _ in variants}
     fetched_of: dict[str, list] = {name: [] for name, _, _ in variants}
     for r in range(rounds):
@@ -209,7 +210,7 @@ def serving_cost(model: str, steps: int, fetchers: int, rounds: int) -> dict:
             fetched_of[name] += [f for per in (published[-1].get("fetched", []) if published else []) for f in per]
     base = [e["step_s"] for run in steps_of["baseline"] for e in run]
     out: dict = {"fetchers": fetchers, "rounds": rounds, "baseline_mean_step_s": round(statistics.mean(base), 3)}
-    for name in ("deltas", "whole"):
+    for name in ("deltas", "whole")[:2 if whole else 1]:
         mine = [e["step_s"] for run in steps_of[name] for e in run]
         paired = [m / b - 1 for m, b in zip(mine, base)]
         got = fetched_of[name]
@@ -286,7 +287,9 @@ def main() -> None:
         print(f"world size {args.world_size}: {ratio:.2f}x the trained tokens/s of world size 1")
         out["ranks"] = {**ranks, "ratio_to_world_size_1": round(ratio, 3)}
     if args.serve:
-        out["serving"] = serving_cost(model, args.steps, args.serve, 1 if args.smoke else args.serve_rounds)
+        # The smoke leaves out whole versions: the same path with deltas off.
+        out["serving"] = serving_cost(model, args.steps, args.serve, 1 if args.smoke else args.serve_rounds,
+                                      whole=not args.smoke)
     print(json.dumps(out))
 
 
