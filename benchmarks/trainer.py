@@ -133,11 +133,6 @@ def run_variant(model: str, steps: int, shared_prompt: bool, micro_batch: int, w
     or with `world` > 0 as `rlbus trainer` with that many ranks. With `fetchers` >= 0 (and `world` 1), the
     trainer runs on half of this host's cores and the broker and that many fetch clients on the other half
     (their figures are added to the last weights_published event as "fetched")."""
-    from structlog.testing import capture_logs
-
-    from rlbus.common.config import load_config
-    from rlbus.logview import events
-
     port, pub = free_port(), free_port()
     cores = sorted(os.sched_getaffinity(0))
     trainer_cores, other_cores = set(cores[:len(cores) // 2]), set(cores[len(cores) // 2:])
@@ -148,29 +143,18 @@ def run_variant(model: str, steps: int, shared_prompt: bool, micro_batch: int, w
                 "logging.level=warning"]
         if fetchers >= 0:
             os.sched_setaffinity(0, other_cores)  # the broker and the fetch clients inherit the other half
-        with broker_process(sets, Path(tmp) / "buffer"):
-            fill(port, steps + 1)
-            ctx = mp.get_context("spawn")
-            stop, results = ctx.Event(), ctx.Queue()
-            clients = [ctx.Process(target=fetcher, args=(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{pub}",
-                                                         f"{tmp}/fetched-{i}", stop, results))
-                       for i in range(max(fetchers, 0))]
-            for c in clients:
-                c.start()
-            trainer_sets = sets + [f"broker.address=tcp://127.0.0.1:{port}", "trainer.checkpoint_every=0",
-                                   f"trainer.total_steps={steps + 1}", f"trainer.micro_batch={micro_batch}",
-                                   f"trainer.shared_prompt={shared_prompt}", "trainer.autocast=bfloat16",
-                                   "sync.sync_interval=1", f"model.path={model}", *extra]
-            if world:
-                log = Path(tmp) / "trainer.jsonl"
-                argv = [sys.executable, "-m", "rlbus.cli", "trainer"]
-                pinned = [f"trainer.threads={len(trainer_cores)}"] if fetchers >= 0 else []
-                for item in trainer_sets + pinned + [f"trainer.world_size={world}", "logging.level=info",
-                                                     "logging.format=json", f"logging.file={log}"]:
-                    argv += ["--set", item]
-                subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=1800,
-                               preexec_fn=(lambda: os.sched_setaffinity(0, trainer_cores)) if fetchers >= 0 else None)
-                logs = events(log)
+        ctx = mp.get_context("spawn")
+        stop, results = ctx.Event(), ctx.Queue()
+        clients = [ctx.Process(target=fetcher, args=(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{pub}",
+                                                     f"{tmp}/fetched-{i}", stop, results))
+                   for i in range(max(fetchers, 0))]
+        try:
+            with broker_process(sets, Path(tmp) / "buffer"):
+                fill(port, steps + 1)
+                for c in clients:
+                    c.start()
+                logs = train(model, steps, shared_prompt, micro_batch, world, sets, port, extra,
+                             len(trainer_cores) if fetchers >= 0 else 0, trainer_cores, Path(tmp))
                 stop.set()
                 for _ in clients:
                     try:
@@ -178,15 +162,14 @@ def run_variant(model: str, steps: int, shared_prompt: bool, micro_batch: int, w
                     except queue.Empty:
                         raise RuntimeError(f"a fetch client gave no figures (exit codes: "
                                            f"{[c.exitcode for c in clients]})") from None
-                for c in clients:
-                    c.join(60)
-            else:
-                from rlbus.trainer.main import Trainer
-
-                trainer = Trainer(load_config(None, trainer_sets, environ={}), model)
-                with capture_logs() as logs:
-                    trainer.run(max_steps=steps + 1)
-        if fetchers >= 0:
+        finally:  # a trainer that failed leaves no client behind (they would keep this process from exiting)
+            stop.set()
+            for c in clients:
+                if c.pid is not None:
+                    c.join(30)
+                    if c.exitcode is None:
+                        c.kill()
+                        c.join()
             os.sched_setaffinity(0, set(cores))
     published = [e for e in logs if e["event"] == "weights_published" and "seconds" in e][1:]
     if published and fetchers >= 0:
@@ -194,10 +177,40 @@ def run_variant(model: str, steps: int, shared_prompt: bool, micro_batch: int, w
     return [e for e in logs if e["event"] == "train_step"][1:], published
 
 
+def train(model: str, steps: int, shared_prompt: bool, micro_batch: int, world: int, sets: list[str], port: int,
+          extra: list[str], threads: int, cores: set[int], tmp: Path) -> list[dict]:
+    """The trainer's log: in this process, or with `world` > 0 as `rlbus trainer` (with `threads`, pinned to
+    `cores`)."""
+    from structlog.testing import capture_logs
+
+    from rlbus.common.config import load_config
+    from rlbus.logview import events
+
+    trainer_sets = sets + [f"broker.address=tcp://127.0.0.1:{port}", "trainer.checkpoint_every=0",
+                           f"trainer.total_steps={steps + 1}", f"trainer.micro_batch={micro_batch}",
+                           f"trainer.shared_prompt={shared_prompt}", "trainer.autocast=bfloat16",
+                           "sync.sync_interval=1", f"model.path={model}", *extra]
+    if not world:
+        from rlbus.trainer.main import Trainer
+
+        trainer = Trainer(load_config(None, trainer_sets, environ={}), model)
+        with capture_logs() as logs:
+            trainer.run(max_steps=steps + 1)
+        return logs
+    log = tmp / "trainer.jsonl"
+    argv = [sys.executable, "-m", "rlbus.cli", "trainer"]
+    for item in trainer_sets + ([f"trainer.threads={threads}"] if threads else []) + [
+            f"trainer.world_size={world}", "logging.level=info", "logging.format=json", f"logging.file={log}"]:
+        argv += ["--set", item]
+    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=1800,
+                   preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if threads else None)
+    return events(log)
+
+
 def serving_cost(model: str, steps: int, fetchers: int, rounds: int, whole: bool = True) -> dict:
     """The trainer's step time on its own cores while `fetchers` clients fetch every version (deltas, then,
-    with `whole`, whole versions only) against nobody fetching; `rounds` alternations, steps paired by index (step i trains
-    the same batch in every run)."""
+    with `whole`, whole versions only) against nobody fetching; `rounds` alternations, steps paired by index
+    (step i trains the same batch in every run)."""
     variants = (("baseline", 0, []), ("deltas", fetchers, []),
                 *([("whole", fetchers, ["sync.serve_deltas=false"])] if whole else []))
     steps_of: dict[str, list[list[dict]]] = {name: [] for name, _, _ in variants}
