@@ -127,38 +127,39 @@ def fetcher(broker: str, bus: str, fetch_dir: str, stop, results) -> None:
 
 
 def run_variant(model: str, steps: int, shared_prompt: bool, micro_batch: int, world: int = 0,
-                fetchers: int = -1, extra: list[str] = ()) -> tuple[list[dict], list[dict]]:
+                extra: list[str] = (), fetched: list[dict] | None = None, fetchers: int = 0
+                ) -> tuple[list[dict], list[dict]]:
     """`steps` + 1 trainer steps against a broker filled with default-task-shaped groups: their train_step
     events (the first, which pays one-time warm-up, left out) and weights_published events. In this process,
-    or with `world` > 0 as `rlbus trainer` with that many ranks. With `fetchers` >= 0 (and `world` 1), the
-    trainer runs on half of this host's cores and the broker and that many fetch clients on the other half
-    (their figures are added to the last weights_published event as "fetched")."""
+    or with `world` > 0 as `rlbus trainer` with that many ranks. Given a `fetched` list (and `world` 1), the
+    trainer runs on half of this host's cores, and the broker and `fetchers` fetch clients on the other half;
+    each weights_fetched event of theirs is added to the list."""
     port, pub = free_port(), free_port()
     cores = sorted(os.sched_getaffinity(0))
     trainer_cores, other_cores = set(cores[:len(cores) // 2]), set(cores[len(cores) // 2:])
-    fetched: list = []
     with tempfile.TemporaryDirectory(prefix="rlbus-bench-") as tmp:
         sets = [f"broker.port={port}", f"broker.pub_port={pub}", f"buffer.dir={tmp}/buffer", f"run.dir={tmp}",
                 "sync.sync_style=async", "sync.max_staleness=1000", "rollout.repeat=8", "data.batch_tasks=4",
                 "logging.level=warning"]
-        if fetchers >= 0:
+        pinned = fetched is not None
+        if pinned:
             os.sched_setaffinity(0, other_cores)  # the broker and the fetch clients inherit the other half
         ctx = mp.get_context("spawn")
         stop, results = ctx.Event(), ctx.Queue()
         clients = [ctx.Process(target=fetcher, args=(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{pub}",
                                                      f"{tmp}/fetched-{i}", stop, results))
-                   for i in range(max(fetchers, 0))]
+                   for i in range(fetchers if pinned else 0)]
         try:
             with broker_process(sets, Path(tmp) / "buffer"):
                 fill(port, steps + 1)
                 for c in clients:
                     c.start()
                 logs = train(model, steps, shared_prompt, micro_batch, world, sets, port, extra,
-                             len(trainer_cores) if fetchers >= 0 else 0, trainer_cores, Path(tmp))
+                             trainer_cores if pinned else None, Path(tmp))
                 stop.set()
                 for _ in clients:
                     try:
-                        fetched.append(results.get(timeout=120))
+                        fetched.extend(results.get(timeout=120))
                     except queue.Empty:
                         raise RuntimeError(f"a fetch client gave no figures (exit codes: "
                                            f"{[c.exitcode for c in clients]})") from None
@@ -171,16 +172,14 @@ def run_variant(model: str, steps: int, shared_prompt: bool, micro_batch: int, w
                         c.kill()
                         c.join()
             os.sched_setaffinity(0, set(cores))
-    published = [e for e in logs if e["event"] == "weights_published" and "seconds" in e][1:]
-    if published and fetchers >= 0:
-        published[-1] = dict(published[-1], fetched=fetched)
-    return [e for e in logs if e["event"] == "train_step"][1:], published
+    return ([e for e in logs if e["event"] == "train_step"][1:],
+            [e for e in logs if e["event"] == "weights_published" and "seconds" in e][1:])
 
 
 def train(model: str, steps: int, shared_prompt: bool, micro_batch: int, world: int, sets: list[str], port: int,
-          extra: list[str], threads: int, cores: set[int], tmp: Path) -> list[dict]:
-    """The trainer's log: in this process, or with `world` > 0 as `rlbus trainer` (with `threads`, pinned to
-    `cores`)."""
+          extra: list[str], cores: set[int] | None, tmp: Path) -> list[dict]:
+    """The trainer's log: in this process, or with `world` > 0 as `rlbus trainer` (pinned to `cores`, with as
+    many threads, when given)."""
     from structlog.testing import capture_logs
 
     from rlbus.common.config import load_config
@@ -199,11 +198,11 @@ def train(model: str, steps: int, shared_prompt: bool, micro_batch: int, world: 
         return logs
     log = tmp / "trainer.jsonl"
     argv = [sys.executable, "-m", "rlbus.cli", "trainer"]
-    for item in trainer_sets + ([f"trainer.threads={threads}"] if threads else []) + [
+    for item in trainer_sets + ([f"trainer.threads={len(cores)}"] if cores else []) + [
             f"trainer.world_size={world}", "logging.level=info", "logging.format=json", f"logging.file={log}"]:
         argv += ["--set", item]
     subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=1800,
-                   preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if threads else None)
+                   preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None)
     return events(log)
 
 
@@ -217,10 +216,10 @@ def serving_cost(model: str, steps: int, fetchers: int, rounds: int, whole: bool
     fetched_of: dict[str, list] = {name: [] for name, _, _ in variants}
     for r in range(rounds):
         for name, n, extra in variants:
-            got, published = run_variant(model, steps, True, 32, world=1, fetchers=n, extra=extra)
+            got, published = run_variant(model, steps, True, 32, world=1, extra=extra, fetched=fetched_of[name],
+                                         fetchers=n)
             summarize(f"round {r + 1} {name} ({n} fetching)", got, published)
             steps_of[name].append(got)
-            fetched_of[name] += [f for per in (published[-1].get("fetched", []) if published else []) for f in per]
     base = [e["step_s"] for run in steps_of["baseline"] for e in run]
     out: dict = {"fetchers": fetchers, "rounds": rounds, "baseline_mean_step_s": round(statistics.mean(base), 3)}
     for name in ("deltas", "whole")[:2 if whole else 1]:
