@@ -20,8 +20,13 @@ Floors, measured in the same run on the same bytes:
 - bare_broadcast_s: the buckets broadcast by gloo between plain processes;
 - memcpy_s: one copy of the buckets in memory;
 - reload_s: vLLM's in-place reload alone (timed inside the explorers' workers);
+- file_reload_s: the same reload from a checkpoint read by path;
 - loopback_mb_s: a plain TCP stream over loopback between two threads;
-  network floor = version bytes / loopback_mb_s + reload_s.
+  network floor = version bytes / loopback_mb_s + file_reload_s: the transfer, then the reload.
+
+From its second fetched version on, an explorer reloads while the fetch
+arrives (`explorer.overlap_fetch`, weights/stream.py), so a fetch can come
+under that floor; `--no-overlap` turns that off, for a baseline.
 
 Last line: one JSON object with, for K = 1, broadcast_sync_s,
 checkpoint_sync_s, network_full_sync_s, network_delta_sync_s (from the start
@@ -32,7 +37,8 @@ bare_broadcast_s, reload_s, memcpy_s, network_floor_s, ratio (broadcast over
 its floor), network_ratio (network_full_from_publish_s over network_floor_s),
 delta_bytes_share (delta bytes over version bytes, median), delta_apply_s,
 server_cpu_s (the weight server's CPU time per version served to every
-explorer, the share of the trainer's process it takes); the same under
+explorer, the share of the trainer's process it takes), file_reload_s,
+overlapped_loads (network loads that reloaded while fetching); the same under
 `k2` and `k4`.
 """
 
@@ -50,7 +56,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
+from typing import Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -143,6 +151,58 @@ def loopback_mb_s(nbytes: int) -> float:
     return best
 
 
+LINK = ("10.232.0.1", "10.232.0.2")  # this host's end, the explorers' end
+
+
+@contextmanager
+def link(mbit: float) -> Iterator[str]:
+    """A second network namespace for the explorers, joined to this one by a veth link whose direction towards
+    them (chunks, as from a trainer on another host) is shaped to `mbit` by tc's token bucket. Yields the
+    namespace's name. Needs root and iproute2."""
+    tag = f"rlws{os.getpid() % 100000}"
+    here, there = f"{tag}h", f"{tag}e"
+
+    def sh(*argv: str) -> None:
+        subprocess.run(argv, check=True, capture_output=True)
+
+    try:
+        sh("ip", "netns", "add", tag)
+        sh("ip", "-n", tag, "link", "set", "lo", "up")
+        sh("ip", "link", "add", here, "type", "veth", "peer", "name", there)
+        sh("ip", "link", "set", there, "netns", tag)
+        sh("ip", "addr", "add", f"{LINK[0]}/30", "dev", here)
+        sh("ip", "link", "set", here, "up")
+        sh("ip", "-n", tag, "addr", "add", f"{LINK[1]}/30", "dev", there)
+        sh("ip", "-n", tag, "link", "set", there, "up")
+        sh("tc", "qdisc", "add", "dev", here, "root", "tbf", "rate", f"{mbit}mbit", "burst", "4mb",
+           "latency", "100ms")
+        yield tag
+    except subprocess.CalledProcessError as exc:
+        raise SystemExit(f"cannot make the link ({' '.join(exc.cmd)}): {exc.stderr.decode().strip()}") from exc
+    finally:
+        subprocess.run(["ip", "link", "del", here], capture_output=True)
+        subprocess.run(["ip", "netns", "del", tag], capture_output=True)
+
+
+def link_mb_s(namespace: str, nbytes: int) -> float:
+    """MB/s of a plain TCP stream of `nbytes` over the link, from this side to a reader in the namespace."""
+    listener = socket.create_server((LINK[0], 0))
+    reader = subprocess.Popen(["ip", "netns", "exec", namespace, sys.executable, "-c",
+                               "import socket, sys\n"
+                               "s = socket.create_connection((sys.argv[1], int(sys.argv[2])))\n"
+                               "while s.recv(1 << 22): pass\n",
+                               LINK[0], str(listener.getsockname()[1])])
+    conn, _ = listener.accept()
+    block = bytearray(4 << 20)
+    started = time.perf_counter()
+    for _ in range(0, nbytes, len(block)):
+        conn.sendall(block)
+    conn.close()
+    reader.wait(120)
+    listener.close()
+    return nbytes / (time.perf_counter() - started) / 1e6
+
+
 def adam_like_step(model, lr: float, generator) -> None:
     """Move every parameter by about lr, as Adam's normalised update does."""
     import torch
@@ -153,18 +213,21 @@ def adam_like_step(model, lr: float, generator) -> None:
 
 
 class Fleet:
-    def __init__(self, broker: str, pub_port: int, model: str, logs: Path, fetch_dir: str = ""):
+    def __init__(self, broker: str, pub_port: int, model: str, logs: Path, fetch_dir: str = "",
+                 sets: list[str] | None = None, namespace: str | None = None):
         self.broker, self.pub_port, self.model, self.logs = broker, pub_port, model, logs
         self.fetch_dir = fetch_dir
+        self.sets = sets or []
+        self.prefix = ["ip", "netns", "exec", namespace] if namespace else []
         self.procs: list[subprocess.Popen] = []
 
     def add(self, name: str) -> None:
-        args = [sys.executable, "-m", "rlbus.cli", "explorer", "--broker", self.broker, "--name", name]
+        args = [*self.prefix, sys.executable, "-m", "rlbus.cli", "explorer", "--broker", self.broker, "--name", name]
         for s in (f"broker.pub_port={self.pub_port}", f"model.path={self.model}", f"run.dir={self.logs.parent}",
                   "explorer.memory_fraction=0.15", "rollout.max_tokens=4", "explorer.tasks_per_lease=1",
                   "logging.format=json",
                   f"logging.file={self.logs / name}.jsonl",
-                  *([f"explorer.weights_dir={self.fetch_dir}/{name}"] if self.fetch_dir else [])):
+                  *([f"explorer.weights_dir={self.fetch_dir}/{name}"] if self.fetch_dir else []), *self.sets):
             args += ["--set", s]
         self.procs.append(subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL,
                                            stderr=open(self.logs / f"{name}.err", "w"), start_new_session=True))
@@ -222,10 +285,19 @@ def main() -> None:
                                                      "directory, a temporary one on the disk the trainer writes to)")
     ap.add_argument("--keep", action="store_true", help="keep the run directory (weights, logs) after the run")
     ap.add_argument("--smoke", action="store_true", help="one version per method, one explorer")
+    ap.add_argument("--link-mbit", type=float, default=0,
+                    help="explorers on a host of their own behind a link of this many Mbit/s (a network namespace; "
+                         "needs root), with the checkpoint and network methods only; 0: all on loopback")
+    ap.add_argument("--no-overlap", action="store_true",
+                    help="explorers reload only once a fetch is complete (explorer.overlap_fetch=false)")
     args = ap.parse_args()
     if args.smoke:
         args.versions, args.max_k = 1, 1
+    with link(args.link_mbit) if args.link_mbit else nullcontext() as namespace:
+        run(args, namespace)
 
+
+def run(args, namespace: str | None) -> None:
     import shutil
 
     import torch
@@ -244,7 +316,8 @@ def main() -> None:
     logs = root / "logs"
     logs.mkdir()
     port, pub_port = free_port(), free_port()
-    sets = [f"broker.port={port}", f"broker.pub_port={pub_port}", "broker.host=127.0.0.1",
+    host = LINK[0] if namespace else "127.0.0.1"
+    sets = [f"broker.port={port}", f"broker.pub_port={pub_port}", f"broker.host={host}",
             f"buffer.dir={root / 'buffer'}", f"run.dir={root}", "sync.sync_style=lockstep", "sync.sync_interval=1",
             "sync.sync_offset=0", "sync.sync_method=nccl", "data.batch_tasks=1", "rollout.repeat=2", "rollout.max_tokens=4",
             "logging.format=json", f"logging.file={logs / 'broker.jsonl'}"]
@@ -253,15 +326,18 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     files = CheckpointSender(root / "weights", model_dir, dtype=torch.bfloat16)
     pub = BroadcastSender(cfg, files, dtype=torch.bfloat16)
-    server = WeightServer(root / "served", deltas=False).start()
+    server = WeightServer(root / "served", host, deltas=False).start()
     served = CheckpointSender(root / "served", model_dir, dtype=torch.bfloat16, server=server)
     publishers = {"broadcast": pub, "checkpoint": files, "network_full": served, "network_delta": served}
+    if namespace:  # the broadcast's rendezvous is on loopback
+        del publishers["broadcast"]
     results: dict = {}
     with broker_process(sets, root / "buffer"):
-        trainer = BrokerClient(f"tcp://127.0.0.1:{port}", "trainer", "bench", heartbeat_interval_s=0.5)
+        trainer = BrokerClient(f"tcp://{host}:{port}", "trainer", "bench", heartbeat_interval_s=0.5)
         trainer.start(30)
         pub.attach(trainer)
-        fleet = Fleet(f"tcp://127.0.0.1:{port}", pub_port, args.model, logs, args.fetch_dir)
+        fleet = Fleet(f"tcp://{host}:{port}", pub_port, args.model, logs, args.fetch_dir,
+                      [f"explorer.overlap_fetch={not args.no_overlap}"], namespace)
         version = 0
         try:
             for k in (1, 2, 4):
@@ -276,8 +352,8 @@ def main() -> None:
                         raise RuntimeError(f"explorers did not connect; see {logs}")
                     time.sleep(0.2)
                 time.sleep(3)  # let the newcomers load the current version and settle into waiting
-                row: dict = {m: [] for m in publishers} | {"reload": [], "net_reload": [], "share": [],
-                                                           "apply": [], "cpu": []}
+                row: dict = {m: [] for m in publishers} | {"reload": [], "file_reload": [], "share": [],
+                                                           "apply": [], "cpu": [], "overlapped": 0}
                 for method, publisher in publishers.items():
                     network = method.startswith("network")
                     server.deltas = method == "network_delta"
@@ -290,8 +366,10 @@ def main() -> None:
                         row.setdefault(method + "_from_publish", []).append(after_publish)
                         if method == "broadcast":
                             row["reload"] += [e["reload_s"] for e in loads if "reload_s" in e]
+                        if method == "checkpoint":
+                            row["file_reload"] += [e["reload_s"] for e in loads if "reload_s" in e]
                         if network:
-                            row["net_reload"] += [e["reload_s"] for e in loads if "reload_s" in e]
+                            row["overlapped"] += sum(e["method"] == "stream" for e in loads)
                             row["cpu"].append(server.cpu_s - cpu)
                             fetches = [fleet.loaded_at(n, version, "weights_fetched") for n in names]
                             if method == "network_delta":
@@ -299,18 +377,25 @@ def main() -> None:
                                 row["apply"] += [f["apply_s"] for f in fetches if f["base"]]
                         print(f"K={k} {method} v{version}: {seconds:.3f} s", file=sys.stderr, flush=True)
                         time.sleep(2)  # the explorer that got the batch finishes its rollout
-                layout, buckets = pub.layout, pub.snapshot(model)[1]
                 version_bytes = sum(f.stat().st_size for f in (root / "served" / f"v{version}").iterdir())
-                bare = bare_broadcast(layout, buckets, k)
                 fig = {m + "_sync_s": median(row[m]) for m in publishers}
                 fig |= {m + "_from_publish_s": median(row[m + "_from_publish"]) for m in publishers if "network" in m}
-                fig |= {"bare_broadcast_s": round(bare, 3), "reload_s": median(row["reload"]),
-                        "memcpy_s": round(memcpy(buckets), 3), "bytes": layout.nbytes, "version_bytes": version_bytes,
-                        "loopback_mb_s": round(loopback_mb_s(version_bytes), 1),
+                fig |= {"version_bytes": version_bytes,
                         "delta_bytes_share": round(statistics.median(row["share"]), 4) if row["share"] else None,
-                        "delta_apply_s": median(row["apply"]), "server_cpu_s": median(row["cpu"])}
-                fig["network_floor_s"] = round(version_bytes / 1e6 / fig["loopback_mb_s"] + median(row["net_reload"]), 3)
-                fig["ratio"] = round(fig["broadcast_sync_s"] / (fig["bare_broadcast_s"] + fig["reload_s"]), 3)
+                        "delta_apply_s": median(row["apply"]), "server_cpu_s": median(row["cpu"]),
+                        "file_reload_s": median(row["file_reload"]), "overlapped_loads": row["overlapped"]}
+                if namespace:
+                    fig["link_mb_s"] = round(link_mb_s(namespace, version_bytes), 1)
+                else:
+                    fig["loopback_mb_s"] = round(loopback_mb_s(version_bytes), 1)
+                if "broadcast" in publishers:
+                    layout, buckets = pub.layout, pub.snapshot(model)[1]
+                    fig |= {"bare_broadcast_s": round(bare_broadcast(layout, buckets, k), 3),
+                            "reload_s": median(row["reload"]), "memcpy_s": round(memcpy(buckets), 3),
+                            "bytes": layout.nbytes}
+                    fig["ratio"] = round(fig["broadcast_sync_s"] / (fig["bare_broadcast_s"] + fig["reload_s"]), 3)
+                rate = fig.get("link_mb_s") or fig["loopback_mb_s"]
+                fig["network_floor_s"] = round(version_bytes / 1e6 / rate + fig["file_reload_s"], 3)
                 fig["network_ratio"] = round(fig["network_full_from_publish_s"] / fig["network_floor_s"], 3)
                 fig |= {m + "_runs_s": [round(x, 3) for x in row[m]] for m in publishers}
                 print(f"K={k}: {json.dumps(fig)}", flush=True)

@@ -244,6 +244,10 @@ class ExplorerConfig(Section):
     """Where fetched versions are kept (default: run.dir/fetched/NAME)."""
     fetch_timeout_s: float = Field(120.0, gt=0)
     """A fetch that gets no reply from the weight server for this long fails (and is tried again later)."""
+    overlap_fetch: bool = True
+    """Batch at a time: reload the engine while a fetch is still arriving, each tensor once its chunks are in
+    (weights/stream.py), instead of after the last chunk. Only from a version fetched before, which the engine
+    goes back to if the fetch fails. Streaming explorers keep generating during a fetch and never overlap."""
     memory_fraction: float = Field(0.3, gt=0, le=1)
     """vLLM gpu_memory_utilization; on CPU the share of host memory it reserves (0.3 works, the default 0.9 does not)."""
     tensor_parallel: int = Field(1, ge=1)

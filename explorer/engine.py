@@ -65,6 +65,10 @@ class Sample:
 
 
 class Engine:
+    # Its reload may wait for a fetch that is still arriving (weights/stream.py): between batches nothing waits
+    # on the engine. A streaming explorer reloads through its swap slot, which does not say so.
+    overlaps_fetch = True
+
     def __init__(self, model: str, *, dtype: str = "bfloat16", seed: int = 0, max_model_len: int = 1024,
                  memory_fraction: float = 0.3, enforce_eager: bool = True, version: int = 0,
                  core: str = "auto", swap_kv: str = "recompute", tensor_parallel: int = 1):

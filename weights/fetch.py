@@ -42,6 +42,7 @@ from rlbus.weights.checkpoint import version_dirs
 from rlbus.weights.delta import apply_delta
 from rlbus.weights.digest import Digest, chunk_hashes, matches
 from rlbus.weights.server import CHUNK, ERROR, MAGIC, MANIFEST
+from rlbus.weights.stream import StreamProgress
 
 log = structlog.get_logger()
 
@@ -298,14 +299,19 @@ class _InOrderDigest:
 def fetch_version(address: str, version: int, digest: str, dest: str | Path, base: Base | None = None, *,
                   server_key: str = "", client_secret_file: str = "", timeout_s: float = 120.0,
                   retry_s: float = 2.0, window: int = 4,
-                  on_chunk: Callable[[int, int], None] | None = None) -> Fetched:
-    """Fetch version `version` (whose digest the bus announced) into `dest/v{version}/`; see the module docstring."""
+                  on_chunk: Callable[[int, int], None] | None = None,
+                  progress: StreamProgress | None = None) -> Fetched:
+    """Fetch version `version` (whose digest the bus announced) into `dest/v{version}/`; see the module docstring.
+    With `progress`, what of the weights files is in place is written as it lands, for an engine that reloads
+    while the fetch goes on (weights/stream.py); the caller marks it failed if this raises."""
     import xxhash
 
     started = time.monotonic()
     dest = Path(dest)
     final = dest / f"v{version}"
     if final.is_dir() and matches(final, digest)[0]:
+        if progress is not None:
+            progress.done(final)
         return Fetched(final, version, None, 0, 0, 0.0)
     if base is not None and not base.path.is_dir():
         base = None
@@ -322,6 +328,8 @@ def fetch_version(address: str, version: int, digest: str, dest: str | Path, bas
         if manifest.get("base") is not None:
             ask.update(base=base.version, base_digest=base.digest)
         todo = _prepare(files, work, base, chunk_bytes)
+        if progress is not None:
+            progress.start(work, files, chunk_bytes, todo)
         # Deltas are hashed as applied files, read again; whole files as their chunks arrive.
         running = None if any("delta" in e for e in files) else \
             _InOrderDigest(files, work, manifest["digest"].partition(":")[0], todo, chunk_bytes)
@@ -344,6 +352,8 @@ def fetch_version(address: str, version: int, digest: str, dest: str | Path, bas
                 os.pwrite(f.fileno(), data, ci * chunk_bytes)
             if running is not None:
                 running.add(fi, ci, data)
+            if progress is not None:
+                progress.chunk(fi, ci)
             if on_chunk is not None:
                 on_chunk(total - len(todo) - len(t.outstanding), total)
     finally:
@@ -368,5 +378,7 @@ def fetch_version(address: str, version: int, digest: str, dest: str | Path, bas
     # Not fsynced: a copy torn by a crash fails its digest when it is next used, and is fetched again.
     shutil.rmtree(final, ignore_errors=True)
     os.rename(work, final)
+    if progress is not None:
+        progress.done(final)
     return Fetched(final, version, manifest.get("base"), received, sum(f["size"] for f in files),
                    time.monotonic() - started, bad, t.resent, apply_s)

@@ -17,7 +17,10 @@ announced version with one call. It chooses a *source*: the broadcast when
 this explorer is a member of the announced epoch (and did not fail that
 version), else the checkpoint directory when this host can read it, else a
 fetch from the weight server into a local directory (deltas against the
-version held), whose digest it checks first either way. A source is a small
+version held), whose digest it checks first either way. An engine that
+waits for its weights anyway (`overlaps_fetch`) reloads while a fetch
+arrives, from a `stream` source (stream.py); a fetch that fails puts it
+back on the version it held. A source is a small
 picklable map; the engine hands it to its workers, where `open_source` turns
 it into an iterator of (name, tensor) that the engine reloads from. The
 engine knows nothing else about weight sync.
@@ -25,6 +28,7 @@ engine knows nothing else about weight sync.
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from typing import Any, Iterator, Protocol
@@ -91,6 +95,12 @@ def checkpoint_source(path: str | Path) -> dict[str, Any]:
     return {"method": "checkpoint", "path": str(path)}
 
 
+def stream_source(progress: str | Path, timeout_s: float, path: str | Path) -> dict[str, Any]:
+    """A version being fetched: `progress` tells what of it is in place (weights/stream.py), `path` is where it
+    will be."""
+    return {"method": "stream", "progress": str(progress), "timeout_s": timeout_s, "path": str(path)}
+
+
 def broadcast_source(announcement: dict[str, Any], rank: int) -> dict[str, Any]:
     return {"method": "nccl", "announcement": announcement, "rank": rank}
 
@@ -116,9 +126,10 @@ class Receiver:
     """
 
     def __init__(self, name: str, fetch_dir: str | Path | None = None, mode: str = "auto",
-                 fetch_timeout_s: float = 120.0, client_secret_file: str = ""):
+                 fetch_timeout_s: float = 120.0, client_secret_file: str = "", overlap: bool = True):
         self.name = name
         self.mode = mode
+        self.overlap = overlap  # reload while a fetch arrives, into an engine that says it may (`overlaps_fetch`)
         self.fetch_dir = Path(fetch_dir) if fetch_dir else None
         self.fetch_timeout_s = fetch_timeout_s
         self.client_secret_file = client_secret_file
@@ -171,31 +182,80 @@ class Receiver:
             return False  # it failed a moment ago: the caller asks again, the server is not flooded
         base = self.held or self._kept()
 
-        def fetch(against):
+        def fetch(against, progress=None):
             return fetch_version(state["fetch_from"], version, state["digest"], self.fetch_dir, against,
                                  server_key=state.get("fetch_key", ""), client_secret_file=self.client_secret_file,
-                                 timeout_s=self.fetch_timeout_s)
+                                 timeout_s=self.fetch_timeout_s, progress=progress)
 
         self._stop_warmer()  # what it wrote so far is the spare this fetch writes over
-        try:
+        got, loaded, failed, held = None, False, None, self.held
+        overlapped = self.overlap and getattr(engine, "overlaps_fetch", False) and held is not None \
+            and held.version == engine.version and held.path.parent == self.fetch_dir
+        if overlapped:
+            got, loaded, failed = self._overlapped(engine, version, held, fetch)
+        if got is None:
             try:
-                got = fetch(base)
-            except DeltaFailed as exc:
-                log.warning("weights_delta_failed", policy_version=version, base=base.version, error=str(exc)[:300])
-                got = fetch(None)
-        except (FetchFailed, OSError) as exc:
-            self._retry_at[version] = time.monotonic() + RETRY_S
-            log.warning("weights_fetch_failed", policy_version=version, error=str(exc)[:300], retry_in_s=RETRY_S)
-            return False
+                try:
+                    if isinstance(failed, DeltaFailed):
+                        raise failed
+                    got = fetch(base)
+                except DeltaFailed as exc:
+                    log.warning("weights_delta_failed", policy_version=version, base=base.version,
+                                error=str(exc)[:300])
+                    got = fetch(None)
+            except (FetchFailed, OSError) as exc:
+                self._retry_at[version] = time.monotonic() + RETRY_S
+                log.warning("weights_fetch_failed", policy_version=version, error=str(exc)[:300],
+                            retry_in_s=RETRY_S)
+                if overlapped:  # the engine reloaded part (or all) of a version that did not arrive: go back
+                    engine.reload(checkpoint_source(held.path), held.version)
+                return False
         log.info("weights_fetched", policy_version=version, base=got.base, bytes=got.received_bytes,
                  version_bytes=got.version_bytes, seconds=round(got.seconds, 3), apply_s=round(got.apply_s, 3),
-                 bad_chunks=got.bad_chunks,
-                 resent=got.resent)
-        engine.reload(checkpoint_source(got.path), version)  # fetch_version checked the digest
+                 bad_chunks=got.bad_chunks, resent=got.resent, overlapped=loaded)
+        if not loaded:
+            engine.reload(checkpoint_source(got.path), version)  # fetch_version checked the digest
         self._hold(state, got.path)
         if not retire(self.fetch_dir, keep=got.path):  # none older to write the next one over: write one
             self._warmer = SpareWarmer(self.fetch_dir, got.path)
         return True
+
+    def _overlapped(self, engine: Engine, version: int, held, fetch) -> tuple[Any, bool, Exception | None]:
+        """Fetch `version` while the engine reloads from what has arrived (weights/stream.py). Returns the fetched
+        version (None when the fetch failed), whether the engine loaded it, and the fetch's error. When it did not
+        load, the engine may hold part of the version: the caller loads one in full."""
+        from rlbus.weights.fetch import FetchFailed
+        from rlbus.weights.stream import StreamProgress
+
+        progress = StreamProgress(self.fetch_dir / f".v{version}.stream")
+        progress.remove()  # left by an earlier attempt at this version
+        # The worker gives up a little after the fetch would (its own timeout), so a reload never outlives it.
+        source = stream_source(progress.path, self.fetch_timeout_s + 10, self.fetch_dir / f"v{version}")
+        outcome: dict[str, Exception] = {}
+
+        def reload():
+            try:
+                engine.reload(source, version)
+            except Exception as exc:  # told below; the caller reloads from the files
+                outcome["reload"] = exc
+
+        loader = threading.Thread(target=reload, name="stream-reload", daemon=True)
+        loader.start()
+        got, failed = None, None
+        try:
+            got = fetch(held, progress)
+        except Exception as exc:
+            failed = exc
+            progress.fail(f"{type(exc).__name__}: {exc}")
+        finally:
+            loader.join()
+            progress.remove()
+        if "reload" in outcome and got is not None:
+            log.warning("weights_stream_reload_failed", policy_version=version, error=str(outcome["reload"])[:300])
+        if failed is not None and not isinstance(failed, (FetchFailed, OSError)):
+            engine.reload(checkpoint_source(held.path), held.version)
+            raise failed
+        return got, got is not None and "reload" not in outcome, failed
 
     def close(self) -> None:
         """Stop writing a spare, if one is being written (at once: what was written stays usable)."""
@@ -230,6 +290,10 @@ def open_source(source: dict[str, Any], worker: Any) -> tuple[Iterator[tuple[str
         from rlbus.weights.checkpoint import checkpoint_tensors
 
         return checkpoint_tensors(source["path"], info), info
+    if source["method"] == "stream":
+        from rlbus.weights.stream import streamed_tensors
+
+        return streamed_tensors(source["progress"], source["timeout_s"], info), info
     if source["method"] == "nccl":
         from rlbus.weights.broadcast import receive_version
 

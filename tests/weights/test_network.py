@@ -28,39 +28,7 @@ from rlbus.weights.digest import weights_digest  # noqa: E402
 from rlbus.weights.fetch import SPARE, Base, FetchFailed, SpareWarmer, fetch_version, retire  # noqa: E402
 from rlbus.weights.server import CHUNK, MAGIC, MANIFEST, WeightServer  # noqa: E402
 from tests.conftest import REPO, free_port  # noqa: E402
-
-CHUNK_BYTES = 64 << 10
-
-
-def publish_versions(root: Path, count: int, changed: float = 0.01, seed: int = 0) -> dict[int, str]:
-    """Versions v1..v{count} of a small model: each changes `changed` of the bf16 values a little."""
-    g = torch.Generator().manual_seed(seed)
-    state = {"embed": torch.randn(512, 256, generator=g).to(torch.bfloat16),
-             "layer.weight": torch.randn(256, 256, generator=g).to(torch.bfloat16),
-             "norm": torch.ones(256, dtype=torch.float32)}
-    digests = {}
-    for v in range(1, count + 1):
-        if v > 1:
-            for t in state.values():
-                flat = t.view(-1)
-                idx = torch.randperm(flat.numel(), generator=g)[: max(1, int(flat.numel() * changed))]
-                flat[idx] += (1e-2 * torch.randn(len(idx), generator=g)).to(t.dtype)
-        d = root / f"v{v}"
-        d.mkdir(parents=True)
-        save_file(state, str(d / "model.safetensors"))
-        (d / "config.json").write_text('{"model_type": "tiny"}')
-        digests[v] = weights_digest(d)
-    return digests
-
-
-@pytest.fixture
-def served(tmp_path):
-    root = tmp_path / "served"
-    digests = publish_versions(root, 3)
-    server = WeightServer(root, chunk_bytes=CHUNK_BYTES).start()
-    yield server, root, digests
-    server.close()
-
+from tests.helpers.served import CHUNK_BYTES, publish_versions, state_of  # noqa: E402
 
 def same_files(a: Path, b: Path) -> bool:
     names = sorted(p.name for p in a.iterdir())
@@ -415,11 +383,6 @@ class RecordingEngine:
         self.sources.append(source)
         self.version = version
         return {}
-
-
-def state_of(server: WeightServer, root: Path, digests: dict[int, str], version: int, location: Path | None = None):
-    return {"version": version, "method": "checkpoint", "digest": digests[version], "step": version,
-            "location": str(location or root / f"v{version}"), "fetch_from": server.address}
 
 
 def test_the_receiver_reads_the_path_when_it_can_and_fetches_deltas_when_it_cannot(served, tmp_path):

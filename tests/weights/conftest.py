@@ -1,0 +1,18 @@
+"""The weight server over three published versions of a small model, in a thread of the test."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture
+def served(tmp_path):
+    pytest.importorskip("zstandard")
+    from rlbus.weights.server import WeightServer
+    from tests.helpers.served import CHUNK_BYTES, publish_versions
+
+    root = tmp_path / "served"
+    digests = publish_versions(root, 3)
+    server = WeightServer(root, chunk_bytes=CHUNK_BYTES).start()
+    yield server, root, digests
+    server.close()
