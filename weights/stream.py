@@ -134,8 +134,9 @@ class _Reader:
             if self.state.get("state") == "done":
                 raise StreamFailed(f"the fetched version has no {n} bytes of {name}")
             now = time.monotonic()
-            if (self.state.get("dir"), ready.get(name)) != last:
-                last, moved = (self.state.get("dir"), ready.get(name)), now
+            seen = (self.state.get("dir"), sorted(ready.items()))  # any file moving is progress
+            if seen != last:
+                last, moved = seen, now
             elif now - moved > self.timeout_s:
                 raise StreamFailed(f"the fetch made no progress for {self.timeout_s:.0f} s ({self.path})")
             time.sleep(POLL_S)
