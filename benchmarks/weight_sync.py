@@ -1,7 +1,7 @@
 """Weight sync on the bundled model: broadcast (gloo), checkpoint and network fetch (whole and delta),
 from PUBLISH until K explorers can generate.
 
-    .venv/bin/python benchmarks/weight_sync.py [--versions 3] [--max-k 4]
+    .venv/bin/python benchmarks/weight_sync.py [--versions 3] [--max-k 4] [--link-mbit R] [--no-overlap]
 
 A real broker and K real `rlbus explorer` processes (vLLM, CPU) in lockstep,
 so each waits for the next version. This process plays the trainer: it
@@ -38,7 +38,9 @@ its floor), network_ratio (network_full_from_publish_s over network_floor_s),
 delta_bytes_share (delta bytes over version bytes, median), delta_apply_s,
 server_cpu_s (the weight server's CPU time per version served to every
 explorer, the share of the trainer's process it takes), file_reload_s,
-overlapped_loads (network loads that reloaded while fetching); the same under
+overlapped_loads (network loads that reloaded while fetching), and
+loopback_mb_s, or link_mb_s with `--link-mbit` (which leaves out the
+broadcast and its floors: its rendezvous is on loopback); the same under
 `k2` and `k4`.
 """
 
@@ -162,31 +164,33 @@ def link(mbit: float) -> Iterator[str]:
     tag = f"rlws{os.getpid() % 100000}"
     here, there = f"{tag}h", f"{tag}e"
 
-    def sh(*argv: str) -> None:
-        subprocess.run(argv, check=True, capture_output=True)
-
-    try:
-        sh("ip", "netns", "add", tag)
-        sh("ip", "-n", tag, "link", "set", "lo", "up")
-        sh("ip", "link", "add", here, "type", "veth", "peer", "name", there)
-        sh("ip", "link", "set", there, "netns", tag)
-        sh("ip", "addr", "add", f"{LINK[0]}/30", "dev", here)
-        sh("ip", "link", "set", here, "up")
-        sh("ip", "-n", tag, "addr", "add", f"{LINK[1]}/30", "dev", there)
-        sh("ip", "-n", tag, "link", "set", there, "up")
-        sh("tc", "qdisc", "add", "dev", here, "root", "tbf", "rate", f"{mbit}mbit", "burst", "4mb",
-           "latency", "100ms")
-        yield tag
-    except subprocess.CalledProcessError as exc:
-        raise SystemExit(f"cannot make the link ({' '.join(exc.cmd)}): {exc.stderr.decode().strip()}") from exc
-    finally:
+    def drop() -> None:
         subprocess.run(["ip", "link", "del", here], capture_output=True)
         subprocess.run(["ip", "netns", "del", tag], capture_output=True)
+
+    try:
+        for argv in (("ip", "netns", "add", tag), ("ip", "-n", tag, "link", "set", "lo", "up"),
+                     ("ip", "link", "add", here, "type", "veth", "peer", "name", there),
+                     ("ip", "link", "set", there, "netns", tag), ("ip", "addr", "add", f"{LINK[0]}/30", "dev", here),
+                     ("ip", "link", "set", here, "up"), ("ip", "-n", tag, "addr", "add", f"{LINK[1]}/30", "dev", there),
+                     ("ip", "-n", tag, "link", "set", there, "up"),
+                     ("tc", "qdisc", "add", "dev", here, "root", "tbf", "rate", f"{mbit}mbit", "burst", "4mb",
+                      "latency", "100ms")):
+            subprocess.run(argv, check=True, capture_output=True)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        drop()
+        why = exc.stderr.decode().strip() if isinstance(exc, subprocess.CalledProcessError) else str(exc)
+        raise SystemExit(f"cannot make the link (root and iproute2's ip and tc are needed): {why}") from exc
+    try:
+        yield tag
+    finally:
+        drop()
 
 
 def link_mb_s(namespace: str, nbytes: int) -> float:
     """MB/s of a plain TCP stream of `nbytes` over the link, from this side to a reader in the namespace."""
     listener = socket.create_server((LINK[0], 0))
+    listener.settimeout(60)
     reader = subprocess.Popen(["ip", "netns", "exec", namespace, sys.executable, "-c",
                                "import socket, sys\n"
                                "s = socket.create_connection((sys.argv[1], int(sys.argv[2])))\n"
