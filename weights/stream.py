@@ -143,11 +143,6 @@ class _Reader:
         self.waited_s += time.monotonic() - started
 
 
-def _header(fd: int) -> tuple[int, dict[str, Any]]:
-    (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
-    return 8 + n, json.loads(os.pread(fd, n, 8))
-
-
 def streamed_tensors(progress: str | Path, timeout_s: float, info: dict[str, Any]) -> Iterator[tuple[str, Any]]:
     """Inside an engine worker: every tensor of the version being fetched, each as soon as its bytes are in place
     (in file order), by name. `info` gets the count and the seconds spent waiting for bytes."""
@@ -162,10 +157,10 @@ def streamed_tensors(progress: str | Path, timeout_s: float, info: dict[str, Any
             reader.wait(name, 8)
             (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
             reader.wait(name, 8 + n)
-            start, header = _header(fd)
+            start, header = 8 + n, json.loads(os.pread(fd, n, 8))
             # A private mapping: tensors are views of the page cache, as safetensors' own loader gives them (a
-            # copy out of the file would cost the reload a third more here). The file keeps its size while the
-            # fetch writes it, so no view runs past its end.
+            # copy out of the file took three times as long here). The file keeps its size while the fetch
+            # writes it, so no view runs past its end.
             mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
         finally:
             os.close(fd)
@@ -174,6 +169,8 @@ def streamed_tensors(progress: str | Path, timeout_s: float, info: dict[str, Any
             reader.wait(name, start + end)
             if start + end > len(mapped):
                 raise StreamFailed(f"{name} ends before {key}")
+            if meta["dtype"] not in DTYPES:
+                raise StreamFailed(f"{name}: {key} has dtype {meta['dtype']}, which a fetched version cannot carry")
             dtype = getattr(torch, DTYPES[meta["dtype"]])
             info["tensors"] += 1
             if end == begin:
