@@ -24,8 +24,10 @@ the shared-prompt variant as an `rlbus trainer` process pinned to half of
 this host's cores (the other half stands for the explorers' hosts: the
 broker and N fetch clients run there), with nobody fetching, with N clients
 that fetch every version it publishes from its weight server (`sync.serve`,
-deltas on, as explorers on other hosts do), and with the same clients taking
-whole versions only; `--serve-rounds` alternations of the three. The
+deltas on, as explorers on other hosts do), with the server building deltas
+at normal priority instead of idle (`sync.serve_delta_priority`), and with
+the same clients taking whole versions only; `--serve-rounds` alternations
+of the four. The
 server's reads, delta builds and sends run in the trainer's process, on its
 cores, so the step time with clients against without is the slowdown that
 serving causes. Step i trains the same batch in every run, so steps are
@@ -36,7 +38,7 @@ also compared in pairs.
 Last line: one JSON object with tokens_per_s and non_compute_share (shared
 prompts), ratio_to_rows, each variant's figures, with --world-size a "ranks"
 object (per world size, and the ratio of N's tokens/s to 1's), and with
---serve a "serving" object: per variant (deltas, whole) its step_slowdown (total
+--serve a "serving" object: per variant (deltas, deltas_normal, whole) its step_slowdown (total
 step time over the baseline's, minus 1), the median of the paired steps', and
 the versions its clients fetched; step_slowdown at the top is the deltas'.
 """
@@ -208,10 +210,11 @@ def train(model: str, steps: int, shared_prompt: bool, micro_batch: int, world: 
 
 def serving_cost(model: str, steps: int, fetchers: int, rounds: int, whole: bool = True) -> dict:
     """The trainer's step time on its own cores while `fetchers` clients fetch every version (deltas, then,
-    with `whole`, whole versions only) against nobody fetching; `rounds` alternations, steps paired by index
-    (step i trains the same batch in every run)."""
+    with `whole`, deltas built at normal priority and whole versions only) against nobody fetching; `rounds`
+    alternations, steps paired by index (step i trains the same batch in every run)."""
     variants = (("baseline", 0, []), ("deltas", fetchers, []),
-                *([("whole", fetchers, ["sync.serve_deltas=false"])] if whole else []))
+                *([("deltas_normal", fetchers, ["sync.serve_delta_priority=normal"]),
+                   ("whole", fetchers, ["sync.serve_deltas=false"])] if whole else []))
     steps_of: dict[str, list[list[dict]]] = {name: [] for name, _, _ in variants}
     fetched_of: dict[str, list] = {name: [] for name, _, _ in variants}
     for r in range(rounds):
@@ -222,7 +225,7 @@ def serving_cost(model: str, steps: int, fetchers: int, rounds: int, whole: bool
             steps_of[name].append(got)
     base = [e["step_s"] for run in steps_of["baseline"] for e in run]
     out: dict = {"fetchers": fetchers, "rounds": rounds, "baseline_mean_step_s": round(statistics.mean(base), 3)}
-    for name in ("deltas", "whole")[:2 if whole else 1]:
+    for name in ("deltas", "deltas_normal", "whole")[:3 if whole else 1]:
         mine = [e["step_s"] for run in steps_of[name] for e in run]
         paired = [m / b - 1 for m, b in zip(mine, base)]
         got = fetched_of[name]

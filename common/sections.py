@@ -135,8 +135,13 @@ class SyncConfig(Section):
     """With CurveZMQ on: the client public keys the weight server admits (default: broker.curve_authorized_dir)."""
     serve_deltas: bool = True
     """Send an explorer that holds a recent version only what changed (zstd XOR); off: always whole versions.
-    A delta costs the trainer's CPU (about 0.6 s per version of a 135M model, built once whoever asks): where
-    the trainer's cores do the training and the network is fast, off is faster."""
+    A delta costs CPU (about 0.6 s per version of a 135M model, built once whoever asks): see
+    serve_delta_priority."""
+    serve_delta_priority: Literal["idle", "normal"] = "idle"
+    """idle: deltas are built only on CPU that training leaves (Linux SCHED_IDLE), so they never slow a step;
+    an explorer whose delta is not ready within the time its last whole version took gets the whole version.
+    normal: deltas compete with training for the CPU (a trainer training on its CPU cores: about 10% slower
+    steps), for a trainer without spare CPU whose explorers are on a slow network."""
     serve_chunk_mb: float = Field(4.0, gt=0, le=64)
     """Weights travel in chunks of this size, each checked on arrival."""
     max_swapping: int = Field(0, ge=0)

@@ -99,7 +99,10 @@ def test_hosts_that_share_no_files_get_every_version_over_the_network(hosts, tin
               "--set", "broker.pub_port=5556")
         start("t", "trainer", "trainer", "--broker", f"tcp://{at['t'][1]}:5555", "--set", "trainer.total_steps=1000",
               "--set", "trainer.checkpoint_every=0", "--set", "trainer.micro_batch=4",
-              "--set", "trainer.fetch_wait_s=1", "--set", f"sync.serve_host={at['t'][0]}")
+              "--set", "trainer.fetch_wait_s=1", "--set", f"sync.serve_host={at['t'][0]}",
+              # These "hosts" share two cores with three engines, which leave the trainer no idle CPU for deltas
+              # (built at idle priority by default): on hosts of their own the engines would not take it.
+              "--set", "sync.serve_delta_priority=normal")
         explorer("e1", "near")
         explorer("e2", "far")
         deadline = time.monotonic() + 420

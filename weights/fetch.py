@@ -143,10 +143,12 @@ class _Transfer:
         self.sock.close(0)
 
 
-def _manifest(t: _Transfer, version: int, base: Base | None) -> dict[str, Any]:
+def _manifest(t: _Transfer, version: int, base: Base | None, delta_wait_s: float | None) -> dict[str, Any]:
     ask = {"version": version}
     if base is not None:
         ask.update(base=base.version, base_digest=base.digest)
+        if delta_wait_s is not None:
+            ask["delta_wait_ms"] = max(0, round(delta_wait_s * 1000))
     t.send(MANIFEST, ask, None)
     _, command, header, _ = t.receive()
     if command == ERROR:
@@ -298,10 +300,11 @@ class _InOrderDigest:
 
 def fetch_version(address: str, version: int, digest: str, dest: str | Path, base: Base | None = None, *,
                   server_key: str = "", client_secret_file: str = "", timeout_s: float = 120.0,
-                  retry_s: float = 2.0, window: int = 4,
+                  retry_s: float = 2.0, window: int = 4, delta_wait_s: float | None = None,
                   on_chunk: Callable[[int, int], None] | None = None,
                   progress: StreamProgress | None = None) -> Fetched:
     """Fetch version `version` (whose digest the bus announced) into `dest/v{version}/`; see the module docstring.
+    With `delta_wait_s` and a `base`, the server sends the whole version if its delta is not built by then.
     With `progress`, what of the weights files is in place is written as it lands, for an engine that reloads
     while the fetch goes on (weights/stream.py); the caller marks it failed if this raises."""
     import xxhash
@@ -319,7 +322,7 @@ def fetch_version(address: str, version: int, digest: str, dest: str | Path, bas
     work.mkdir(parents=True, exist_ok=True)
     t = _Transfer(address, server_key, client_secret_file, retry_s, timeout_s)
     try:
-        manifest = _manifest(t, version, base)
+        manifest = _manifest(t, version, base, delta_wait_s)
         if digest and manifest["digest"] != digest:
             raise FetchFailed(f"the weight server holds v{version} with digest {manifest['digest']}, "
                               f"the bus announced {digest}")

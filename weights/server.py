@@ -11,24 +11,28 @@ sends); `python -m rlbus.weights.server DIR` serves a directory on its own,
 for a storage host that receives copies of the versions.
 
 The protocol (docs/protocol.md, *Weight server*): a DEALER asks
-`MANIFEST {req, version, base?, base_digest?}` and gets the list of files
-with the xxh3 of every chunk; with a base the server still holds (same
-digest), `.safetensors` files come as deltas (weights/delta.py), built once
-per (base, version) pair on a builder thread and kept beside the versions.
+`MANIFEST {req, version, base?, base_digest?, delta_wait_ms?}` and gets
+the list of files with the xxh3 of every chunk; with a base the server still
+holds (same digest), `.safetensors` files come as deltas (weights/delta.py),
+built once per (base, version) pair at idle priority (weights/manifests.py).
+A MANIFEST for a delta waits for its build at most `delta_wait_ms` (the
+receiver sends the time its last whole version took; 10 s when a client
+does not say), then gets the whole version. Waiting at most what the
+alternative costs bounds a client's loss to twice a whole fetch; a trainer
+with spare CPU (on GPUs, or between rollouts) has the delta ready sooner.
 `CHUNK {req, version, base?, file, index}` gets one chunk as a raw frame.
 Requests name versions and files of the manifest, never paths, so a client
 reads nothing but published versions. Replies that need a manifest not yet
-built wait for the builder; everything else is answered at once.
+built wait for it; everything else is answered at once.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +41,7 @@ import structlog
 import zmq
 
 from rlbus.common import protocol as P
-from rlbus.weights.checkpoint import version_dirs
-from rlbus.weights.delta import make_delta
-from rlbus.weights.digest import chunk_hashes, scan_version, weights_digest
+from rlbus.weights.manifests import Gone, Manifests
 
 log = structlog.get_logger()
 
@@ -47,7 +49,7 @@ MAGIC = b"rlbus-weights/1"
 MANIFEST, CHUNK, ERROR = b"MANIFEST", b"CHUNK", b"ERROR"
 MAX_REQUEST_BYTES = 64 << 10
 MAX_WAITING = 4096  # requests held while their manifest is built
-DELTAS = ".deltas"
+DELTA_WAIT_S = 10.0  # how long a MANIFEST for a delta waits for its build when the client does not say
 
 
 class Request(msgspec.Struct, forbid_unknown_fields=False):
@@ -57,10 +59,7 @@ class Request(msgspec.Struct, forbid_unknown_fields=False):
     base_digest: str = ""
     file: str = ""
     index: int = 0
-
-
-class Gone(Exception):
-    """The version (or its base) is not held here (never published, or pruned)."""
+    delta_wait_ms: int | None = None  # MANIFEST with a base: after this long, the whole version if no delta yet
 
 
 def advertised(bind_host: str, advertise: str, port: int) -> str:
@@ -70,11 +69,12 @@ def advertised(bind_host: str, advertise: str, port: int) -> str:
 
 class WeightServer:
     def __init__(self, weights_dir: str | Path, host: str = "127.0.0.1", port: int = 0, advertise: str = "",
-                 chunk_bytes: int = 4 << 20, curve: tuple[str, str] | None = None, deltas: bool = True):
+                 chunk_bytes: int = 4 << 20, curve: tuple[str, str] | None = None, deltas: bool = True,
+                 delta_priority: str = "idle"):
         self.dir = Path(weights_dir)
-        self.deltas = deltas  # off: every version is served whole
         self.dir.mkdir(parents=True, exist_ok=True)
         self.chunk_bytes = chunk_bytes
+        self.manifests = Manifests(self.dir, chunk_bytes, deltas, delta_priority)
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.linger = 0
@@ -103,21 +103,16 @@ class WeightServer:
             raise OSError(f"the weight server cannot listen on {host}:{port or 'a free port'} "
                           f"(sync.serve_host, sync.serve_port): {exc}") from exc
         self.address = advertised(host, advertise, port)
-        self._builder = ThreadPoolExecutor(1, thread_name_prefix="weights-builder")
-        self._manifests: dict[tuple, Future] = {}
-        self._manifests_lock = threading.Lock()  # the serving thread and the publishing thread (`add`)
-        self._delta_asked = False  # whether clients have asked for deltas: `add` builds them ahead then
-        self._digests: dict[tuple[int, tuple[int, int] | None], str] = {}
-        self._waiting: list[tuple[Future, bytes, bytes, Request]] = []
+        self._waiting: list[tuple[Future, bytes, bytes, Request, float | None]] = []  # ..., whole-version deadline
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.served_bytes = 0
-        self._serve_cpu = self._build_cpu = 0.0  # each thread adds to its own
+        self._serve_cpu = 0.0
 
     @property
     def cpu_s(self) -> float:
         """CPU time of the serving and builder threads: what serving takes from the trainer."""
-        return self._serve_cpu + self._build_cpu
+        return self._serve_cpu + self.manifests.cpu_s
 
     # ---- lifecycle ----------------------------------------------------------
 
@@ -131,7 +126,7 @@ class WeightServer:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(10)
-        self._builder.shutdown(wait=False, cancel_futures=True)
+        self.manifests.close()
         if self.auth is not None:
             self.auth.stop()
         self.sock.close(0)
@@ -178,36 +173,39 @@ class WeightServer:
         if request.version < 0 or (request.base is not None and request.base < 0):
             self._error(ident, request.req, "bad_request", "versions are not negative")
             return
+        if request.delta_wait_ms is not None and request.delta_wait_ms < 0:
+            self._error(ident, request.req, "bad_request", "delta_wait_ms is not negative")
+            return
         if len(self._waiting) >= MAX_WAITING:
             self._error(ident, request.req, "busy", "too many requests wait for a manifest; ask again later")
             return
+        deadline = None
         if command == MANIFEST:
-            self._delta_asked |= request.base is not None and self.deltas
-        future = self._manifest(request.version, request.base, request.base_digest)
-        self._waiting.append((future, ident, command, request))
+            self.manifests.delta_asked |= request.base is not None and self.manifests.deltas
+            if request.base is not None:
+                wait = DELTA_WAIT_S if request.delta_wait_ms is None else request.delta_wait_ms / 1000
+                deadline = time.monotonic() + wait
+        future = self.manifests.get(request.version, request.base, request.base_digest)
+        self._waiting.append((future, ident, command, request, deadline))
 
     def add(self, version: int, previous: tuple[int, str] | None) -> str:
-        """`version` is written under the served directory: take its digest and its whole manifest in one read
-        (on the caller's thread: the publisher's, which needs the digest anyway), and start building the delta
-        from `previous` (the version published before it, and its digest) if clients have taken deltas. An
-        explorer that asks once the version is announced finds its manifest ready instead of waiting for the
-        build (a delta of the default model: about 0.5 s). Returns the digest."""
-        cpu = time.thread_time()
-        whole = self._scan(version)
-        self._build_cpu += time.thread_time() - cpu
-        made: Future = Future()
-        made.set_result(whole)
-        with self._manifests_lock:
-            self._remember((version, self._stamp(version), None, ""), made)
-        if self._delta_asked and previous is not None:
-            self._manifest(version, *previous)
-        return whole["digest"]
+        """A version is written under the served directory; its digest (`Manifests.add`)."""
+        return self.manifests.add(version, previous)
+
+    def held(self) -> list[int]:
+        return self.manifests.held()
 
     def _answer_ready(self) -> None:
         still = []
-        for future, ident, command, request in self._waiting:
+        for future, ident, command, request, deadline in self._waiting:
+            if not future.done() and deadline is not None and time.monotonic() >= deadline:
+                # The delta is not built within what the client would wait: the whole version (its manifest
+                # names no base, so the client asks for whole chunks); the delta goes on for later clients.
+                log.info("weights_delta_not_ready", policy_version=request.version, base=request.base,
+                         waited_s=DELTA_WAIT_S if request.delta_wait_ms is None else request.delta_wait_ms / 1000)
+                future, deadline = self.manifests.get(request.version, None, ""), None
             if not future.done():
-                still.append((future, ident, command, request))
+                still.append((future, ident, command, request, deadline))
                 continue
             exc = future.exception()
             if exc is not None:
@@ -247,112 +245,6 @@ class WeightServer:
     def _error(self, ident: bytes, req: int | None, code: str, message: str) -> None:
         self.sock.send_multipart([ident, MAGIC, ERROR, P.pack({"req": req, "code": code, "message": message})])
 
-    # ---- manifests and deltas (builder thread) -----------------------------------
-
-    def _manifest(self, version: int, base: int | None, base_digest: str) -> Future:
-        if base is not None and (base >= version or not base_digest or not self.deltas):
-            base = None
-        if base is not None and self._digests.get((base, self._stamp(base)), base_digest) != base_digest:
-            base = None  # a base this server holds other bytes for: the whole version, under one key for all such
-        # A version directory replaced under the same number (a restarted trainer) gets a new manifest.
-        key = (version, self._stamp(version), base, base_digest if base is not None else "")
-        with self._manifests_lock:
-            future = self._manifests.get(key)
-            if future is None or (future.done() and future.exception() is not None):
-                future = self._builder.submit(self._build, version, base, base_digest)
-                self._remember(key, future)
-        return future
-
-    def _remember(self, key: tuple, future: Future) -> None:
-        self._manifests[key] = future
-        if len(self._manifests) > 32:
-            self._manifests.pop(next(iter(self._manifests)))
-
-    def _version_dir(self, version: int) -> Path:
-        path = self.dir / f"v{version}"
-        if not path.is_dir():
-            raise Gone(f"v{version} is not held here (held: {self.held()})")
-        return path
-
-    def held(self) -> list[int]:
-        return [version for version, _ in version_dirs(self.dir)]
-
-    def _stamp(self, version: int) -> tuple[int, int] | None:
-        try:
-            st = (self.dir / f"v{version}").stat()
-        except FileNotFoundError:
-            return None
-        return st.st_ino, st.st_mtime_ns
-
-    def _digest(self, version: int) -> str:
-        key = (version, self._stamp(version))
-        if key not in self._digests:
-            self._digests[key] = weights_digest(self._version_dir(version))
-        return self._digests[key]
-
-    def _scan(self, version: int) -> dict[str, Any]:
-        """The manifest of `version` served whole, and its digest remembered, from one read of its files."""
-        started = time.monotonic()
-        digest, files = scan_version(self._version_dir(version), self.chunk_bytes)
-        self._digests[(version, self._stamp(version))] = digest
-        log.info("weights_manifest_built", policy_version=version, base=None, files=len(files), deltas=0,
-                 seconds=round(time.monotonic() - started, 3))
-        return {"version": version, "digest": digest, "chunk_bytes": self.chunk_bytes, "base": None, "files": files}
-
-    def _build(self, version: int, base: int | None, base_digest: str) -> dict[str, Any]:
-        cpu = time.thread_time()
-        try:
-            return self._build_manifest(version, base, base_digest)
-        finally:
-            self._build_cpu += time.thread_time() - cpu
-
-    def _build_manifest(self, version: int, base: int | None, base_digest: str) -> dict[str, Any]:
-        started = time.monotonic()
-        target = self._version_dir(version)
-        base_dir = None
-        if base is not None:
-            try:
-                if self._digest(base) == base_digest:
-                    base_dir = self._version_dir(base)
-            except Gone:
-                pass
-        if base_dir is None:
-            return self._scan(version)
-        files, deltas = [], 0
-        for path in sorted(p for p in target.iterdir() if p.is_file() and not p.name.startswith(".")):
-            source, delta = path, None
-            if path.suffix == ".safetensors" and (base_dir / path.name).is_file():
-                pair = f"v{base}-v{version}.{base_digest[-12:]}{self._digest(version)[-12:]}"
-                blob = self.dir / DELTAS / pair / f"{path.name}.zst"
-                blob.parent.mkdir(parents=True, exist_ok=True)
-                if blob.exists() or make_delta(base_dir / path.name, path, blob) is not None:
-                    source, delta = blob, {"base": base, "size": blob.stat().st_size}
-                    deltas += 1
-            hashes, whole = chunk_hashes(source, self.chunk_bytes)
-            if delta is not None:
-                whole = chunk_hashes(path, self.chunk_bytes)[1]
-            entry = {"name": path.name, "size": path.stat().st_size, "xxh": whole, "chunks": hashes,
-                     "source": str(source)}
-            if delta is not None:
-                entry["delta"] = delta
-            files.append(entry)
-        self._prune_deltas()
-        log.info("weights_manifest_built", policy_version=version, base=base if deltas else None,
-                 files=len(files), deltas=deltas, seconds=round(time.monotonic() - started, 3))
-        return {"version": version, "digest": self._digest(version), "chunk_bytes": self.chunk_bytes,
-                "base": base if deltas else None, "files": files}
-
-    def _prune_deltas(self) -> None:
-        held = set(self.held())
-        for key in list(self._digests):
-            if key[0] not in held:
-                del self._digests[key]
-        for pair in (self.dir / DELTAS).glob("v*-v*"):
-            a, _, b = pair.name.split(".")[0].partition("-")
-            if not (a[1:].isdigit() and b[1:].isdigit() and int(a[1:]) in held and int(b[1:]) in held):
-                shutil.rmtree(pair, ignore_errors=True)
-
-
 def main(argv: list[str] | None = None) -> None:
     """Serve a directory of published versions (v1/, v2/, ...) on its own, until SIGINT or SIGTERM."""
     import argparse
@@ -363,11 +255,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0: all)")
     parser.add_argument("--port", type=int, default=0, help="port to bind (0: a free one)")
     parser.add_argument("--chunk-mb", type=float, default=4.0, help="chunk size in MB")
+    parser.add_argument("--delta-priority", choices=("idle", "normal"), default="idle",
+                        help="idle: build deltas only on CPU nothing else wants (default); normal: compete for it")
     args = parser.parse_args(argv)
     from rlbus.common.logging import setup_logging
 
     setup_logging("weight-server")
-    server = WeightServer(args.dir, args.host, args.port, chunk_bytes=int(args.chunk_mb * (1 << 20)))
+    server = WeightServer(args.dir, args.host, args.port, chunk_bytes=int(args.chunk_mb * (1 << 20)),
+                          delta_priority=args.delta_priority)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

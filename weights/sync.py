@@ -88,7 +88,8 @@ def make_server(cfg, weights_dir: str | Path):
     if b.curve_client_key:  # the trainer's own key pair makes it a CURVE server; clients learn its key on the bus
         curve = (b.curve_client_key, s.serve_authorized_dir or b.curve_authorized_dir)
     return WeightServer(weights_dir, s.serve_host, s.serve_port, s.serve_advertise,
-                        chunk_bytes=int(s.serve_chunk_mb * (1 << 20)), curve=curve, deltas=s.serve_deltas).start()
+                        chunk_bytes=int(s.serve_chunk_mb * (1 << 20)), curve=curve, deltas=s.serve_deltas,
+                        delta_priority=s.serve_delta_priority).start()
 
 
 def checkpoint_source(path: str | Path) -> dict[str, Any]:
@@ -137,6 +138,7 @@ class Receiver:
         self.held = None  # fetch.Base of the version the engine holds, when it is held as files
         self._retry_at: dict[int, float] = {}  # version -> when a failed fetch of it may be tried again
         self._warmer = None  # fetch.SpareWarmer writing a spare for the next fetch, until that fetch starts
+        self._whole_s = None  # how long the last whole version took: the longest a delta is worth waiting for
 
     def load(self, engine: Engine, state: dict[str, Any] | None) -> bool:
         """Bring `engine` to the version of the weight state `state`; True if it loaded it."""
@@ -185,7 +187,7 @@ class Receiver:
         def fetch(against, progress=None):
             return fetch_version(state["fetch_from"], version, state["digest"], self.fetch_dir, against,
                                  server_key=state.get("fetch_key", ""), client_secret_file=self.client_secret_file,
-                                 timeout_s=self.fetch_timeout_s, progress=progress)
+                                 timeout_s=self.fetch_timeout_s, delta_wait_s=self._whole_s, progress=progress)
 
         self._stop_warmer()  # what it wrote so far is the spare this fetch writes over
         got, loaded, failed, held = None, False, None, self.held
@@ -213,6 +215,8 @@ class Receiver:
         log.info("weights_fetched", policy_version=version, base=got.base, bytes=got.received_bytes,
                  version_bytes=got.version_bytes, seconds=round(got.seconds, 3), apply_s=round(got.apply_s, 3),
                  bad_chunks=got.bad_chunks, resent=got.resent, overlapped=loaded)
+        if got.base is None and got.received_bytes:
+            self._whole_s = got.seconds
         if not loaded:
             engine.reload(checkpoint_source(got.path), version)  # fetch_version checked the digest
         self._hold(state, got.path)

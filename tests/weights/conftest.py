@@ -16,3 +16,15 @@ def served(tmp_path):
     server = WeightServer(root, chunk_bytes=CHUNK_BYTES).start()
     yield server, root, digests
     server.close()
+
+
+@pytest.fixture
+def dealer(served):
+    """A DEALER socket connected to the `served` weight server."""
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.linger = 0
+    sock.connect(served[0].address)
+    yield sock
+    sock.close(0)

@@ -131,9 +131,9 @@ def test_the_server_builds_ahead_the_delta_clients_will_ask_for(served, tmp_path
     assert server.add(3, (2, digests[2])) == digests[3]
     fetch_version(server.address, 1, digests[1], tmp_path / "sync")  # queued behind anything `add` queued
     assert built() == []
-    whole = server._manifest(3, None, "")
+    whole = server.manifests.get(3, None, "")
     assert whole.done(), "the whole manifest was made by add, not left to the builder"
-    assert whole.result()["files"] == server._build_manifest(3, None, "")["files"]
+    assert whole.result()["files"] == server.manifests._build_manifest(3, None, "")["files"]
     second = fetch_version(server.address, 2, digests[2], tmp_path / "e", Base(1, root / "v1", digests[1]))
     assert second.base == 1 and built() == ["v1-v2"]
     server.add(3, (2, digests[2]))  # v3 again: now its delta from v2 is built before anyone asks
@@ -325,32 +325,29 @@ def ask(sock: zmq.Socket, frames: list[bytes]) -> tuple[bytes, dict]:
     return reply[1], P.unpack(reply[2])
 
 
-def test_requests_name_versions_and_files_never_paths_and_bad_input_gets_an_error(served):
-    server, _, _ = served
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.linger = 0
-    sock.connect(server.address)
-    try:
-        cases = [
-            ([MAGIC, CHUNK, P.pack({"req": 1, "version": 1, "file": "../../../etc/passwd"})], "bad_request"),
-            ([MAGIC, CHUNK, P.pack({"req": 2, "version": 1, "file": "config.json", "index": 7})], "bad_request"),
-            ([MAGIC, MANIFEST, P.pack({"req": 3, "version": 99})], "gone"),
-            ([MAGIC, MANIFEST, P.pack({"req": 4, "version": "v1/../.."})], "bad_request"),
-            ([MAGIC, MANIFEST, P.pack({"req": 5, "version": -1})], "bad_request"),
-            ([MAGIC, b"DELETE", P.pack({"req": 6, "version": 1})], "bad_request"),
-            ([MAGIC, MANIFEST, b"\xc1not msgpack"], "bad_request"),
-            ([b"http/1.1", b"GET /"], "bad_request"),
-        ]
-        for frames, code in cases:
-            command, header = ask(sock, frames)
-            assert (command, header["code"]) == (b"ERROR", code), (frames, header)
-        # Still serving.
-        command, header = ask(sock, [MAGIC, MANIFEST, P.pack({"req": 9, "version": 2})])
-        assert command == MANIFEST and header["req"] == 9
-        assert {f["name"] for f in header["files"]} == {"config.json", "model.safetensors"}
-        assert all("source" not in f for f in header["files"])
-    finally:
-        sock.close(0)
+def test_requests_name_versions_and_files_never_paths_and_bad_input_gets_an_error(dealer):
+    sock = dealer
+    cases = [
+        ([MAGIC, CHUNK, P.pack({"req": 1, "version": 1, "file": "../../../etc/passwd"})], "bad_request"),
+        ([MAGIC, CHUNK, P.pack({"req": 2, "version": 1, "file": "config.json", "index": 7})], "bad_request"),
+        ([MAGIC, MANIFEST, P.pack({"req": 3, "version": 99})], "gone"),
+        ([MAGIC, MANIFEST, P.pack({"req": 4, "version": "v1/../.."})], "bad_request"),
+        ([MAGIC, MANIFEST, P.pack({"req": 5, "version": -1})], "bad_request"),
+        ([MAGIC, MANIFEST, P.pack({"req": 10, "version": 2, "base": 1, "base_digest": "x", "delta_wait_ms": -5})],
+         "bad_request"),
+        ([MAGIC, MANIFEST, P.pack({"req": 11, "version": 2, "base": 1, "delta_wait_ms": "soon"})], "bad_request"),
+        ([MAGIC, b"DELETE", P.pack({"req": 6, "version": 1})], "bad_request"),
+        ([MAGIC, MANIFEST, b"\xc1not msgpack"], "bad_request"),
+        ([b"http/1.1", b"GET /"], "bad_request"),
+    ]
+    for frames, code in cases:
+        command, header = ask(sock, frames)
+        assert (command, header["code"]) == (b"ERROR", code), (frames, header)
+    # Still serving.
+    command, header = ask(sock, [MAGIC, MANIFEST, P.pack({"req": 9, "version": 2})])
+    assert command == MANIFEST and header["req"] == 9
+    assert {f["name"] for f in header["files"]} == {"config.json", "model.safetensors"}
+    assert all("source" not in f for f in header["files"])
 
 
 def test_with_curve_only_admitted_clients_are_served(tmp_path):

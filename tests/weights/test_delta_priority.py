@@ -1,0 +1,101 @@
+"""Deltas from CPU that training leaves: the weight server builds them at idle priority, and a client whose
+delta is not built within the time it says gets the whole version. Real server and sockets on loopback; a
+delta build is held back by wrapping the real `make_delta` (its own tests: tests/weights/test_network.py)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("zstandard")
+from structlog.testing import capture_logs  # noqa: E402
+
+from rlbus.weights import manifests as manifests_module  # noqa: E402
+from rlbus.weights import server as server_module  # noqa: E402
+from rlbus.weights.fetch import Base, fetch_version  # noqa: E402
+from rlbus.weights.server import WeightServer  # noqa: E402
+from tests.helpers.served import CHUNK_BYTES, state_of  # noqa: E402
+
+linux_only = pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
+
+
+def same_files(a, b) -> bool:
+    names = sorted(p.name for p in b.iterdir() if p.is_file())
+    return names == sorted(p.name for p in a.iterdir() if p.is_file()) and \
+        all((a / n).read_bytes() == (b / n).read_bytes() for n in names)
+
+
+@pytest.fixture
+def held_builds(monkeypatch):
+    """Delta builds wait until the returned event is set; then they are the real ones."""
+    release, real = threading.Event(), manifests_module.make_delta
+
+    def slow_make_delta(*args):
+        assert release.wait(60), "the test never let the build go"
+        return real(*args)
+
+    monkeypatch.setattr(manifests_module, "make_delta", slow_make_delta)
+    yield release
+    release.set()
+
+
+@linux_only
+def test_deltas_are_built_at_idle_priority_and_whole_manifests_are_not(served, tmp_path):
+    server, root, _ = served
+    assert server.manifests._builder.submit(os.sched_getscheduler, 0).result(10) == os.SCHED_IDLE
+    assert server.manifests._scanner.submit(os.sched_getscheduler, 0).result(10) == os.SCHED_OTHER
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER, "the caller's own thread is left alone"
+    normal = WeightServer(root, chunk_bytes=CHUNK_BYTES, delta_priority="normal")
+    try:
+        assert normal.manifests._builder.submit(os.sched_getscheduler, 0).result(10) == os.SCHED_OTHER
+    finally:
+        normal.close()
+    with pytest.raises(ValueError, match="delta_priority"):
+        WeightServer(root, delta_priority="low")
+
+
+def test_a_delta_not_built_within_the_wait_comes_whole_and_later_as_a_delta(served, held_builds, tmp_path):
+    server, root, digests = served
+    base = Base(1, root / "v1", digests[1])
+    started = time.monotonic()
+    with capture_logs() as logs:
+        whole = fetch_version(server.address, 2, digests[2], tmp_path / "a", base, delta_wait_s=0.3)
+    assert time.monotonic() - started >= 0.3
+    assert whole.base is None and same_files(whole.path, root / "v2")
+    assert whole.received_bytes >= (root / "v2" / "model.safetensors").stat().st_size
+    assert any(e["event"] == "weights_delta_not_ready" and e["waited_s"] == 0.3 for e in logs)
+    held_builds.set()  # the build goes on after the client stopped waiting, for the next one that asks
+    delta = fetch_version(server.address, 2, digests[2], tmp_path / "b", base, delta_wait_s=30)
+    assert delta.base == 1 and same_files(delta.path, root / "v2")
+    assert delta.received_bytes < 0.25 * delta.version_bytes
+
+
+def test_a_client_that_does_not_say_waits_the_servers_default(served, held_builds, tmp_path, monkeypatch):
+    server, root, digests = served
+    monkeypatch.setattr(server_module, "DELTA_WAIT_S", 0.2)
+    with capture_logs() as logs:
+        got = fetch_version(server.address, 3, digests[3], tmp_path / "a", Base(2, root / "v2", digests[2]))
+    assert got.base is None and same_files(got.path, root / "v3")
+    assert [e["waited_s"] for e in logs if e["event"] == "weights_delta_not_ready"] == [0.2]
+
+
+def test_the_receiver_waits_for_a_delta_as_long_as_its_last_whole_version_took(served, held_builds, tmp_path):
+    from rlbus.weights.sync import Receiver
+    from tests.weights.test_network import RecordingEngine
+
+    server, root, digests = served
+    elsewhere = tmp_path / "not-here"
+    receiver, engine = Receiver("e", tmp_path / "fetched", mode="fetch"), RecordingEngine()
+    assert receiver.load(engine, state_of(server, root, digests, 1, location=elsewhere / "v1"))
+    assert receiver._whole_s is not None and receiver._whole_s > 0
+    took = receiver._whole_s
+    before = server.served_bytes
+    with capture_logs() as logs:
+        assert receiver.load(engine, state_of(server, root, digests, 2, location=elsewhere / "v2"))
+    assert [e["waited_s"] for e in logs if e["event"] == "weights_delta_not_ready"] == [round(took * 1000) / 1000]
+    assert server.served_bytes - before >= (root / "v2" / "model.safetensors").stat().st_size  # whole
+    assert same_files(tmp_path / "fetched" / "v2", root / "v2") and engine.version == 2
+    receiver.close()
