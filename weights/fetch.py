@@ -68,6 +68,7 @@ class Fetched:
     bad_chunks: int = 0
     resent: int = 0
     apply_s: float = 0.0  # applying the deltas (decompress, XOR, write)
+    manifest_s: float = 0.0  # waiting for the manifest (a server may hold it while it builds a delta)
 
 
 @dataclass
@@ -323,6 +324,7 @@ def fetch_version(address: str, version: int, digest: str, dest: str | Path, bas
     t = _Transfer(address, server_key, client_secret_file, retry_s, timeout_s)
     try:
         manifest = _manifest(t, version, base, delta_wait_s)
+        manifest_s = time.monotonic() - started
         if digest and manifest["digest"] != digest:
             raise FetchFailed(f"the weight server holds v{version} with digest {manifest['digest']}, "
                               f"the bus announced {digest}")
@@ -384,4 +386,4 @@ def fetch_version(address: str, version: int, digest: str, dest: str | Path, bas
     if progress is not None:
         progress.done(final)
     return Fetched(final, version, manifest.get("base"), received, sum(f["size"] for f in files),
-                   time.monotonic() - started, bad, t.resent, apply_s)
+                   time.monotonic() - started, bad, t.resent, apply_s, manifest_s)

@@ -11,7 +11,8 @@ does not slow a step. They are kept under `.deltas/` beside the versions and
 dropped with them. Once a client has asked for a delta, `add` starts the
 build of each new version's delta from the one before, so a client that
 asks once the version is announced finds it ready when there was CPU to
-spare.
+spare; not while two builds wait (`backlog`), so a trainer that leaves no
+CPU does not pile them up.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ class Manifests:
         self._lock = threading.Lock()  # the serving thread and the publishing thread (`add`)
         self._digests: dict[tuple[int, tuple[int, int] | None], str] = {}
         self.cpu_s = 0.0  # CPU time spent hashing and building
+        self.backlog = 0  # delta builds submitted and not finished: more than one, and the builder is behind
 
     def close(self) -> None:
         self._builder.shutdown(wait=False, cancel_futures=True)
@@ -93,7 +95,7 @@ class Manifests:
         made.set_result(whole)
         with self._lock:
             self._remember((version, self._stamp(version), None, ""), made)
-        if self.delta_asked and previous is not None:
+        if self.delta_asked and previous is not None and self.backlog < 2:  # a builder behind gets no more
             self.get(version, *previous)
         return whole["digest"]
 
@@ -108,10 +110,18 @@ class Manifests:
         with self._lock:
             future = self._manifests.get(key)
             if future is None or (future.done() and future.exception() is not None):
-                pool = self._scanner if base is None else self._builder
-                future = pool.submit(self._build, version, base, base_digest)
+                if base is None:
+                    future = self._scanner.submit(self._build, version, base, base_digest)
+                else:
+                    self.backlog += 1
+                    future = self._builder.submit(self._build, version, base, base_digest)
+                    future.add_done_callback(self._built)
                 self._remember(key, future)
         return future
+
+    def _built(self, _: Future) -> None:
+        with self._lock:
+            self.backlog -= 1
 
     def _remember(self, key: tuple, future: Future) -> None:
         self._manifests[key] = future

@@ -17,9 +17,11 @@ holds (same digest), `.safetensors` files come as deltas (weights/delta.py),
 built once per (base, version) pair at idle priority (weights/manifests.py).
 A MANIFEST for a delta waits for its build at most `delta_wait_ms` (the
 receiver sends the time its last whole version took; 10 s when a client
-does not say), then gets the whole version. Waiting at most what the
-alternative costs bounds a client's loss to twice a whole fetch; a trainer
-with spare CPU (on GPUs, or between rollouts) has the delta ready sooner.
+does not say), then gets the whole version; at once when the builder is
+behind (other builds queued before it: no CPU to spare). Waiting at most
+what the alternative costs bounds a client's loss to twice a whole fetch; a
+trainer with spare CPU (on GPUs, or between rollouts) has the delta ready
+sooner.
 `CHUNK {req, version, base?, file, index}` gets one chunk as a raw frame.
 Requests name versions and files of the manifest, never paths, so a client
 reads nothing but published versions. Replies that need a manifest not yet
@@ -103,7 +105,8 @@ class WeightServer:
             raise OSError(f"the weight server cannot listen on {host}:{port or 'a free port'} "
                           f"(sync.serve_host, sync.serve_port): {exc}") from exc
         self.address = advertised(host, advertise, port)
-        self._waiting: list[tuple[Future, bytes, bytes, Request, float | None]] = []  # ..., whole-version deadline
+        # (manifest, client, command, request, (asked at, longest wait for a delta) or None)
+        self._waiting: list[tuple[Future, bytes, bytes, Request, tuple[float, float] | None]] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.served_bytes = 0
@@ -182,10 +185,11 @@ class WeightServer:
         deadline = None
         if command == MANIFEST:
             self.manifests.delta_asked |= request.base is not None and self.manifests.deltas
-            if request.base is not None:
-                wait = DELTA_WAIT_S if request.delta_wait_ms is None else request.delta_wait_ms / 1000
-                deadline = time.monotonic() + wait
         future = self.manifests.get(request.version, request.base, request.base_digest)
+        if command == MANIFEST and request.base is not None:
+            # A builder with more than this build to do is not keeping up (no CPU to spare): the whole at once.
+            wait = DELTA_WAIT_S if request.delta_wait_ms is None else request.delta_wait_ms / 1000
+            deadline = (time.monotonic(), wait if self.manifests.backlog <= 1 else 0.0)
         self._waiting.append((future, ident, command, request, deadline))
 
     def add(self, version: int, previous: tuple[int, str] | None) -> str:
@@ -198,11 +202,11 @@ class WeightServer:
     def _answer_ready(self) -> None:
         still = []
         for future, ident, command, request, deadline in self._waiting:
-            if not future.done() and deadline is not None and time.monotonic() >= deadline:
+            if not future.done() and deadline is not None and time.monotonic() >= sum(deadline):
                 # The delta is not built within what the client would wait: the whole version (its manifest
                 # names no base, so the client asks for whole chunks); the delta goes on for later clients.
                 log.info("weights_delta_not_ready", policy_version=request.version, base=request.base,
-                         waited_s=DELTA_WAIT_S if request.delta_wait_ms is None else request.delta_wait_ms / 1000)
+                         waited_s=deadline[1], backlog=self.manifests.backlog)
                 future, deadline = self.manifests.get(request.version, None, ""), None
             if not future.done():
                 still.append((future, ident, command, request, deadline))

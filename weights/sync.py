@@ -138,7 +138,7 @@ class Receiver:
         self.held = None  # fetch.Base of the version the engine holds, when it is held as files
         self._retry_at: dict[int, float] = {}  # version -> when a failed fetch of it may be tried again
         self._warmer = None  # fetch.SpareWarmer writing a spare for the next fetch, until that fetch starts
-        self._whole_s = None  # how long the last whole version took: the longest a delta is worth waiting for
+        self._whole_s = None  # how long the last whole version took to arrive: the longest to wait for a delta
 
     def load(self, engine: Engine, state: dict[str, Any] | None) -> bool:
         """Bring `engine` to the version of the weight state `state`; True if it loaded it."""
@@ -215,8 +215,8 @@ class Receiver:
         log.info("weights_fetched", policy_version=version, base=got.base, bytes=got.received_bytes,
                  version_bytes=got.version_bytes, seconds=round(got.seconds, 3), apply_s=round(got.apply_s, 3),
                  bad_chunks=got.bad_chunks, resent=got.resent, overlapped=loaded)
-        if got.base is None and got.received_bytes:
-            self._whole_s = got.seconds
+        if got.base is None and got.received_bytes:  # not counting a wait for a delta that did not come
+            self._whole_s = got.seconds - got.manifest_s
         if not loaded:
             engine.reload(checkpoint_source(got.path), version)  # fetch_version checked the digest
         self._hold(state, got.path)

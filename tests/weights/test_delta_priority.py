@@ -73,6 +73,28 @@ def test_a_delta_not_built_within_the_wait_comes_whole_and_later_as_a_delta(serv
     assert delta.received_bytes < 0.25 * delta.version_bytes
 
 
+def test_a_builder_that_is_behind_sends_the_whole_version_at_once_and_takes_no_more_ahead(served, held_builds,
+                                                                                          tmp_path):
+    server, root, digests = served
+    server.manifests.delta_asked = True
+    server.add(2, (1, digests[1]))  # published, its delta started ahead (and held)
+    assert server.manifests.backlog == 1
+    with capture_logs() as logs:
+        started = time.monotonic()
+        got = fetch_version(server.address, 3, digests[3], tmp_path / "a", Base(2, root / "v2", digests[2]),
+                            delta_wait_s=30)
+        assert time.monotonic() - started < 10, "the client waited for a builder that is behind"
+    assert got.base is None and same_files(got.path, root / "v3")
+    assert [(e["waited_s"], e["backlog"]) for e in logs if e["event"] == "weights_delta_not_ready"] == [(0.0, 2)]
+    server.add(3, (2, digests[2]))
+    assert server.manifests.backlog == 2, "no third build queued behind two"
+    held_builds.set()
+    deadline = time.monotonic() + 30
+    while server.manifests.backlog:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
 def test_a_client_that_does_not_say_waits_the_servers_default(served, held_builds, tmp_path, monkeypatch):
     server, root, digests = served
     monkeypatch.setattr(server_module, "DELTA_WAIT_S", 0.2)
@@ -98,4 +120,17 @@ def test_the_receiver_waits_for_a_delta_as_long_as_its_last_whole_version_took(s
     assert [e["waited_s"] for e in logs if e["event"] == "weights_delta_not_ready"] == [round(took * 1000) / 1000]
     assert server.served_bytes - before >= (root / "v2" / "model.safetensors").stat().st_size  # whole
     assert same_files(tmp_path / "fetched" / "v2", root / "v2") and engine.version == 2
+    # What it waits next is the time the whole version took to arrive, not that plus the wait before it: a wait
+    # of 1 s (the small version comes in far less) is not carried over, and waits do not grow fetch by fetch.
+    receiver._whole_s = 1.0
+    held_builds.set()  # v1 to v2 is built; v2 to v3 will be held, with the builder not behind
+    deadline = time.monotonic() + 30
+    while server.manifests.backlog:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    held_builds.clear()
+    with capture_logs() as logs:
+        assert receiver.load(engine, state_of(server, root, digests, 3, location=elsewhere / "v3"))
+    assert [e["waited_s"] for e in logs if e["event"] == "weights_delta_not_ready"] == [1.0]
+    assert 0 < receiver._whole_s < 1.0
     receiver.close()
