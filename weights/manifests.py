@@ -77,6 +77,7 @@ class Manifests:
         self._digests: dict[tuple[int, tuple[int, int] | None], str] = {}
         self.cpu_s = 0.0  # CPU time spent hashing and building
         self.backlog = 0  # delta builds submitted and not finished: more than one, and the builder is behind
+        self._counting = threading.Lock()  # not `_lock`: a build done at once runs `_built` under `_lock`
 
     def close(self) -> None:
         self._builder.shutdown(wait=False, cancel_futures=True)
@@ -113,14 +114,15 @@ class Manifests:
                 if base is None:
                     future = self._scanner.submit(self._build, version, base, base_digest)
                 else:
-                    self.backlog += 1
+                    with self._counting:
+                        self.backlog += 1
                     future = self._builder.submit(self._build, version, base, base_digest)
                     future.add_done_callback(self._built)
                 self._remember(key, future)
         return future
 
     def _built(self, _: Future) -> None:
-        with self._lock:
+        with self._counting:
             self.backlog -= 1
 
     def _remember(self, key: tuple, future: Future) -> None:

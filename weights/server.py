@@ -105,7 +105,7 @@ class WeightServer:
             raise OSError(f"the weight server cannot listen on {host}:{port or 'a free port'} "
                           f"(sync.serve_host, sync.serve_port): {exc}") from exc
         self.address = advertised(host, advertise, port)
-        # (manifest, client, command, request, (asked at, longest wait for a delta) or None)
+        # (manifest, client, command, request, patience): patience is (when a delta's wait ends, the wait), or None
         self._waiting: list[tuple[Future, bytes, bytes, Request, tuple[float, float] | None]] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -182,15 +182,16 @@ class WeightServer:
         if len(self._waiting) >= MAX_WAITING:
             self._error(ident, request.req, "busy", "too many requests wait for a manifest; ask again later")
             return
-        deadline = None
+        patience = None
         if command == MANIFEST:
             self.manifests.delta_asked |= request.base is not None and self.manifests.deltas
         future = self.manifests.get(request.version, request.base, request.base_digest)
         if command == MANIFEST and request.base is not None:
             # A builder with more than this build to do is not keeping up (no CPU to spare): the whole at once.
             wait = DELTA_WAIT_S if request.delta_wait_ms is None else request.delta_wait_ms / 1000
-            deadline = (time.monotonic(), wait if self.manifests.backlog <= 1 else 0.0)
-        self._waiting.append((future, ident, command, request, deadline))
+            wait = wait if self.manifests.backlog <= 1 else 0.0
+            patience = (time.monotonic() + wait, wait)
+        self._waiting.append((future, ident, command, request, patience))
 
     def add(self, version: int, previous: tuple[int, str] | None) -> str:
         """A version is written under the served directory; its digest (`Manifests.add`)."""
@@ -201,15 +202,15 @@ class WeightServer:
 
     def _answer_ready(self) -> None:
         still = []
-        for future, ident, command, request, deadline in self._waiting:
-            if not future.done() and deadline is not None and time.monotonic() >= sum(deadline):
+        for future, ident, command, request, patience in self._waiting:
+            if not future.done() and patience is not None and time.monotonic() >= patience[0]:
                 # The delta is not built within what the client would wait: the whole version (its manifest
                 # names no base, so the client asks for whole chunks); the delta goes on for later clients.
                 log.info("weights_delta_not_ready", policy_version=request.version, base=request.base,
-                         waited_s=deadline[1], backlog=self.manifests.backlog)
-                future, deadline = self.manifests.get(request.version, None, ""), None
+                         waited_s=patience[1], backlog=self.manifests.backlog)
+                future, patience = self.manifests.get(request.version, None, ""), None
             if not future.done():
-                still.append((future, ident, command, request, deadline))
+                still.append((future, ident, command, request, patience))
                 continue
             exc = future.exception()
             if exc is not None:

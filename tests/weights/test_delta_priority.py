@@ -134,3 +134,31 @@ def test_the_receiver_waits_for_a_delta_as_long_as_its_last_whole_version_took(s
     assert [e["waited_s"] for e in logs if e["event"] == "weights_delta_not_ready"] == [1.0]
     assert 0 < receiver._whole_s < 1.0
     receiver.close()
+
+
+def test_a_build_that_is_done_before_it_is_counted_is_counted_off(served):
+    """A build can finish before the server adds its done-callback, which then runs at once, under the lock the
+    server holds while it submits: counting it off must not take that lock again."""
+    from concurrent.futures import Future
+
+    server, _, digests = served
+
+    made = server.manifests._build_manifest(2, 1, digests[1])
+
+    class AtOnce:  # an executor whose build is done by the time `submit` returns
+        def submit(self, fn, *args):
+            future = Future()
+            future.set_result(made)
+            return future
+
+        def shutdown(self, **_):
+            pass
+
+    server.manifests._builder = AtOnce()
+    got = []
+    asking = threading.Thread(target=lambda: got.append(server.manifests.get(2, 1, digests[1]).result()),
+                              daemon=True)
+    asking.start()
+    asking.join(30)
+    assert not asking.is_alive(), "the server deadlocked counting a build off"
+    assert got[0]["base"] == 1 and server.manifests.backlog == 0
