@@ -11,7 +11,9 @@ the trainer) and publishes it in bfloat16: through the broadcast publisher
 (the explorers are members of its epoch), as a checkpoint read by path, or
 served by a WeightServer with the path made unreadable to the explorers (as
 on a separate host): first whole versions, then deltas against the version
-each explorer holds. The sync time of a version runs from the start of
+each explorer holds (the explorers wait for each delta's build,
+`explorer.delta_wait_s`, where by default they would take a whole version
+that comes sooner). The sync time of a version runs from the start of
 publishing to the last explorer's `weights_loaded` line for it: after that
 line the explorer's next generation uses the version. K = 1, 2, 4: explorers
 join one by one.
@@ -256,7 +258,8 @@ def run(args, namespace: str | None) -> None:
         trainer.start(30)
         pub.attach(trainer)
         fleet = Fleet(f"tcp://{host}:{port}", pub_port, args.model, logs, args.fetch_dir,
-                      [f"explorer.overlap_fetch={not args.no_overlap}"], namespace)
+                      # The delta row measures deltas: explorers wait for each build whatever a whole version takes.
+                      [f"explorer.overlap_fetch={not args.no_overlap}", "explorer.delta_wait_s=60"], namespace)
         version = 0
         try:
             for k in (1, 2, 4):
@@ -275,7 +278,7 @@ def run(args, namespace: str | None) -> None:
                                                            "apply": [], "cpu": [], "overlapped": 0}
                 for method, publisher in publishers.items():
                     network = method.startswith("network")
-                    server.deltas = method == "network_delta"
+                    server.manifests.deltas = method == "network_delta"
                     for _ in range(args.versions):
                         version += 1
                         cpu = server.cpu_s

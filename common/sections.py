@@ -250,6 +250,10 @@ class ExplorerConfig(Section):
     """Where fetched versions are kept (default: run.dir/fetched/NAME)."""
     fetch_timeout_s: float = Field(120.0, gt=0)
     """A fetch that gets no reply from the weight server for this long fails (and is tried again later)."""
+    delta_wait_s: float | None = Field(None, ge=0)
+    """How long a fetch waits for the trainer to build a delta before it takes the whole version instead (empty:
+    as long as this explorer's last whole version took to arrive, so that it waits for a delta only where one can
+    come sooner; more, where the network's bytes cost more than the time)."""
     overlap_fetch: bool = True
     """Batch at a time: reload the engine while a fetch is still arriving, each tensor once its chunks are in
     (weights/stream.py), instead of after the last chunk. Only from a version fetched before, which the engine

@@ -66,7 +66,8 @@ class Explorer:
         self.client: BrokerClient | None = None
         self.evaluated: set[int] = set()
         self.receiver = Receiver(self.name, cfg.fetch_dir(self.name), cfg.explorer.receive,
-                                 cfg.explorer.fetch_timeout_s, cfg.broker.curve_client_key, cfg.explorer.overlap_fetch)
+                                 cfg.explorer.fetch_timeout_s, cfg.broker.curve_client_key, cfg.explorer.overlap_fetch,
+                                 cfg.explorer.delta_wait_s)
         self.started_at = time.time()
 
     def connect(self) -> dict[str, Any]:

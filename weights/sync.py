@@ -127,7 +127,8 @@ class Receiver:
     """
 
     def __init__(self, name: str, fetch_dir: str | Path | None = None, mode: str = "auto",
-                 fetch_timeout_s: float = 120.0, client_secret_file: str = "", overlap: bool = True):
+                 fetch_timeout_s: float = 120.0, client_secret_file: str = "", overlap: bool = True,
+                 delta_wait_s: float | None = None):
         self.name = name
         self.mode = mode
         self.overlap = overlap  # reload while a fetch arrives, into an engine that says it may (`overlaps_fetch`)
@@ -138,7 +139,8 @@ class Receiver:
         self.held = None  # fetch.Base of the version the engine holds, when it is held as files
         self._retry_at: dict[int, float] = {}  # version -> when a failed fetch of it may be tried again
         self._warmer = None  # fetch.SpareWarmer writing a spare for the next fetch, until that fetch starts
-        self._whole_s = None  # how long the last whole version took to arrive: the longest to wait for a delta
+        self.delta_wait_s = delta_wait_s  # how long to wait for a delta's build; None: as long as `_whole_s`
+        self._whole_s = None  # how long the last whole version took to arrive
 
     def load(self, engine: Engine, state: dict[str, Any] | None) -> bool:
         """Bring `engine` to the version of the weight state `state`; True if it loaded it."""
@@ -187,7 +189,8 @@ class Receiver:
         def fetch(against, progress=None):
             return fetch_version(state["fetch_from"], version, state["digest"], self.fetch_dir, against,
                                  server_key=state.get("fetch_key", ""), client_secret_file=self.client_secret_file,
-                                 timeout_s=self.fetch_timeout_s, delta_wait_s=self._whole_s, progress=progress)
+                                 timeout_s=self.fetch_timeout_s, progress=progress,
+                                 delta_wait_s=self._whole_s if self.delta_wait_s is None else self.delta_wait_s)
 
         self._stop_warmer()  # what it wrote so far is the spare this fetch writes over
         got, loaded, failed, held = None, False, None, self.held

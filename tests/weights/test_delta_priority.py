@@ -136,6 +136,26 @@ def test_the_receiver_waits_for_a_delta_as_long_as_its_last_whole_version_took(s
     receiver.close()
 
 
+def test_an_explorer_told_how_long_to_wait_for_a_delta_waits_that_long(served, held_builds, tmp_path):
+    from rlbus.common.config import load_config
+    from rlbus.weights.sync import Receiver
+    from tests.weights.test_network import RecordingEngine
+
+    assert load_config(None, [], environ={}).explorer.delta_wait_s is None
+    told = load_config(None, ["explorer.delta_wait_s=0.4"], environ={}).explorer.delta_wait_s
+    assert told == 0.4
+    with pytest.raises(Exception, match="delta_wait_s"):
+        load_config(None, ["explorer.delta_wait_s=-1"], environ={})
+    server, root, digests = served
+    elsewhere = tmp_path / "not-here"
+    receiver, engine = Receiver("e", tmp_path / "fetched", mode="fetch", delta_wait_s=told), RecordingEngine()
+    assert receiver.load(engine, state_of(server, root, digests, 1, location=elsewhere / "v1"))
+    with capture_logs() as logs:
+        assert receiver.load(engine, state_of(server, root, digests, 2, location=elsewhere / "v2"))
+    assert [e["waited_s"] for e in logs if e["event"] == "weights_delta_not_ready"] == [0.4]
+    receiver.close()
+
+
 def test_a_build_that_is_done_before_it_is_counted_is_counted_off(served):
     """A build can finish before the server adds its done-callback, which then runs at once, under the lock the
     server holds while it submits: counting it off must not take that lock again."""
