@@ -1,4 +1,5 @@
-"""Every benchmark runs in its smoke mode, exits by itself and ends with its JSON figures.
+"""Every benchmark runs in its smoke mode, exits by itself and ends with its JSON figures (the central ones
+not null).
 
 A benchmark that crashes at start or hangs at exit would otherwise only be
 found when someone needs its figure. Each runs as a subprocess in its own
@@ -33,6 +34,9 @@ BENCHMARKS = {
     "learning": ["--model", "{tiny}"],
 }
 SCRIPTS = {"weight_sync_link": "weight_sync"}  # a second smoke of one script (the rest: the script of that name)
+# Figures a smoke run must give (not null), so that a central figure cannot go missing unseen.
+FIGURES = {"weight_sync": ("network_ratio", "delta_bytes_share"),
+           "weight_sync_link": ("network_ratio", "delta_bytes_share"), "trainer": ("tokens_per_s", "serving")}
 # The explorers' host is a network namespace: root and iproute2's ip and tc.
 LINK_UNAVAILABLE = "" if os.geteuid() == 0 and shutil.which("ip") and shutil.which("tc") else \
     "the link needs root, ip and tc"
@@ -125,3 +129,5 @@ def test_benchmark_smoke_mode_runs_and_exits(name, smokes):
     assert code == 0, err[-3000:]
     figures = json.loads(out.strip().splitlines()[-1])
     assert isinstance(figures, dict) and figures
+    missing = [key for key in FIGURES.get(name, ()) if figures.get(key) is None]
+    assert not missing, f"{name} gave no {missing}: {out[-2000:]}"
