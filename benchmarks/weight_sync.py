@@ -11,9 +11,9 @@ the trainer) and publishes it in bfloat16: through the broadcast publisher
 (the explorers are members of its epoch), as a checkpoint read by path, or
 served by a WeightServer with the path made unreadable to the explorers (as
 on a separate host): first whole versions, then deltas against the version
-each explorer holds (the explorers wait for each delta's build,
-`explorer.delta_wait_s`, where by default they would take a whole version
-that comes sooner). The sync time of a version runs from the start of
+each explorer holds (built at normal priority, and the explorers wait for
+each build, `explorer.delta_wait_s`, where by default they would take a
+whole version that comes sooner). The sync time of a version runs from the start of
 publishing to the last explorer's `weights_loaded` line for it: after that
 line the explorer's next generation uses the version. K = 1, 2, 4: explorers
 join one by one.
@@ -247,7 +247,8 @@ def run(args, namespace: str | None) -> None:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     files = CheckpointSender(root / "weights", model_dir, dtype=torch.bfloat16)
     pub = BroadcastSender(cfg, files, dtype=torch.bfloat16)
-    server = WeightServer(root / "served", host, deltas=False).start()
+    # Deltas at normal priority: the delta row measures the delta path, not how much CPU this host has to spare.
+    server = WeightServer(root / "served", host, deltas=False, delta_priority="normal").start()
     served = CheckpointSender(root / "served", model_dir, dtype=torch.bfloat16, server=server)
     publishers = {"broadcast": pub, "checkpoint": files, "network_full": served, "network_delta": served}
     if namespace:  # the broadcast's rendezvous is on loopback
