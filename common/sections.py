@@ -138,11 +138,11 @@ class SyncConfig(Section):
     A delta costs CPU (about 0.6 s per version of a 135M model, built once whoever asks): see
     serve_delta_priority."""
     serve_delta_priority: Literal["idle", "normal"] = "idle"
-    """idle: deltas are built only on CPU that training leaves (Linux SCHED_IDLE), so they do not slow a step;
-    an explorer whose delta is not ready within the time its last whole version took (at once when the builder is
-    behind) gets the whole version. normal: deltas compete with training for the CPU (on a trainer training on one
-    CPU core, with two explorers: steps 13% slower, against 8% at idle priority and 9% for whole versions), for a
-    trainer without spare CPU whose explorers are on a slow network."""
+    """idle: deltas are built in a child process on CPU that training leaves (Linux SCHED_IDLE), so they do not
+    slow a step; an explorer whose delta is not ready within the time its last whole version took (at once when the
+    builder is behind) gets the whole version. normal: deltas compete with training for the CPU (on a trainer
+    training on one CPU core, with two explorers: steps 13% slower, against 8% at idle priority and 9% for whole
+    versions), for a trainer without spare CPU whose explorers are on a slow network."""
     serve_chunk_mb: float = Field(4.0, gt=0, le=64)
     """Weights travel in chunks of this size, each checked on arrival."""
     max_swapping: int = Field(0, ge=0)

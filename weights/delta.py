@@ -15,12 +15,19 @@ the two files differ in length or header (no delta possible) or the delta
 would be no smaller than the file itself. `apply_delta` rebuilds the target
 file from the base file and the delta. Both stream in blocks, so neither
 holds a whole file in memory.
+
+The weight server builds deltas in a child process, `python -m
+rlbus.weights.delta [--idle] BASE TARGET OUT`, which prints
+`{"size": bytes or null, "idle": whether it ran at idle priority}`: see
+weights/manifests.py for why not in a thread.
 """
 
 from __future__ import annotations
 
 import os
 import struct
+import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -96,3 +103,40 @@ def apply_delta(base: str | Path, delta: str | Path, out: str | Path) -> int:
     if written != size:
         raise ValueError(f"delta {delta} covers {written} bytes, its base {base} has {size}")
     return written
+
+
+def idle_priority() -> bool:
+    """Run the calling thread only on CPU nothing else wants: SCHED_IDLE, else the lowest niceness. Linux only
+    (there scheduling is per thread; elsewhere it would lower the whole process). Whether it took."""
+    if sys.platform != "linux":
+        return False
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        return True
+    except (AttributeError, OSError):
+        pass
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        return True
+    except OSError:
+        return False
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Write the delta of TARGET against BASE to OUT; print its size (null: none) and whether it ran at idle
+    priority, as JSON."""
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(prog="python -m rlbus.weights.delta", description=main.__doc__)
+    parser.add_argument("--idle", action="store_true", help="run at idle priority (SCHED_IDLE on Linux)")
+    parser.add_argument("base")
+    parser.add_argument("target")
+    parser.add_argument("out")
+    args = parser.parse_args(argv)
+    idle = idle_priority() if args.idle else False
+    print(json.dumps({"size": make_delta(args.base, args.target, args.out), "idle": idle}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

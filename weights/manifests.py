@@ -5,9 +5,13 @@ sent for each (docs/protocol.md, *Weight server*). Whole manifests only
 hash files: they are made on the publisher's thread as a version is added
 (`add`, which needs the digest anyway), or on a scanner thread. Deltas
 (weights/delta.py: zstd of base XOR version) are built once per (base,
-version) pair on a builder thread that runs at idle priority by default
-(Linux's SCHED_IDLE): it takes only CPU that training leaves, so a delta
-does not slow a step. They are kept under `.deltas/` beside the versions and
+version) pair, each file's in a child process that runs at idle priority by
+default (Linux's SCHED_IDLE): it takes only CPU that training leaves, so a
+delta does not slow a step. Not in a thread of the trainer's: a starved
+thread that asks for the GIL holds up the thread that drops it (CPython
+makes that one wait until another has taken it), so an idle-priority thread
+would stall training on a host whose cores are busy; and it could hold the
+trainer's exit as long as it is starved, where a child is killed. They are kept under `.deltas/` beside the versions and
 dropped with them. Once a client has asked for a delta, `add` starts the
 build of each new version's delta from the one before, so a client that
 asks once the version is announced finds it ready when there was CPU to
@@ -17,8 +21,9 @@ CPU does not pile them up.
 
 from __future__ import annotations
 
-import os
+import json
 import shutil
+import subprocess
 import sys
 import threading
 import time
@@ -29,7 +34,6 @@ from typing import Any
 import structlog
 
 from rlbus.weights.checkpoint import version_dirs
-from rlbus.weights.delta import make_delta
 from rlbus.weights.digest import chunk_hashes, scan_version, weights_digest
 
 log = structlog.get_logger()
@@ -41,21 +45,9 @@ class Gone(Exception):
     """The version (or its base) is not held here (never published, or pruned)."""
 
 
-def idle_priority() -> bool:
-    """Run the calling thread only on CPU nothing else wants: SCHED_IDLE, else the lowest niceness. Linux only
-    (there scheduling is per thread; elsewhere it would lower the whole process). Whether it took."""
-    if sys.platform != "linux":
-        return False
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-        return True
-    except (AttributeError, OSError):
-        pass
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        return True
-    except OSError:
-        return False
+def delta_command(base: Path, target: Path, out: Path, idle: bool) -> list[str]:
+    flags = ["--idle"] if idle else []
+    return [sys.executable, "-m", "rlbus.weights.delta", *flags, str(base), str(target), str(out)]
 
 
 class Manifests:
@@ -68,10 +60,11 @@ class Manifests:
         self.chunk_bytes = chunk_bytes
         self.deltas = deltas  # off: every version is served whole
         self.delta_asked = False  # whether clients have asked for deltas: `add` builds them ahead then
-        # Whole manifests (hashing only) at normal priority; deltas (XOR, zstd) on CPU that training leaves.
-        self._scanner = ThreadPoolExecutor(1, thread_name_prefix="weights-scanner")
-        self._builder = ThreadPoolExecutor(1, thread_name_prefix="weights-builder",
-                                           initializer=idle_priority if delta_priority == "idle" else None)
+        self.idle = delta_priority == "idle"  # deltas (XOR, zstd) on CPU that training leaves
+        self._scanner = ThreadPoolExecutor(1, thread_name_prefix="weights-scanner")  # whole manifests
+        self._builder = ThreadPoolExecutor(1, thread_name_prefix="weights-builder")  # delta manifests
+        self._child: subprocess.Popen | None = None  # the process building a delta, if one is
+        self._closed = False
         self._manifests: dict[tuple, Future] = {}
         self._lock = threading.Lock()  # the serving thread and the publishing thread (`add`)
         self._digests: dict[tuple[int, tuple[int, int] | None], str] = {}
@@ -80,8 +73,30 @@ class Manifests:
         self._counting = threading.Lock()  # not `_lock`: a build done at once runs `_built` under `_lock`
 
     def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            if self._child is not None:
+                self._child.kill()  # a build starved at idle priority does not hold the trainer's exit
         self._builder.shutdown(wait=False, cancel_futures=True)
         self._scanner.shutdown(wait=False, cancel_futures=True)
+
+    def _make_delta(self, base: Path, target: Path, out: Path) -> tuple[int | None, bool]:
+        """`delta.make_delta` in a child process (see the module docstring): the delta's size (None: no delta), and
+        whether the child ran at idle priority."""
+        argv = delta_command(base, target, out, self.idle)
+        with self._lock:
+            if self._closed:
+                raise Gone("the weight server is closing")
+            self._child = child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            printed, errors = child.communicate()
+        finally:
+            with self._lock:
+                self._child = None
+        if child.returncode != 0:
+            raise RuntimeError(f"building the delta of {target} failed (exit {child.returncode}): {errors[-500:]}")
+        reply = json.loads(printed)
+        return reply["size"], reply["idle"]
 
     def add(self, version: int, previous: tuple[int, str] | None) -> str:
         """`version` is written under the served directory: take its digest and its whole manifest in one read
@@ -180,14 +195,16 @@ class Manifests:
                 pass
         if base_dir is None:
             return self._scan(version)
-        files, deltas, known = [], 0, self._whole_hashes(version)
+        files, deltas, known, idle = [], 0, self._whole_hashes(version), []
         for path in sorted(p for p in target.iterdir() if p.is_file() and not p.name.startswith(".")):
             source, delta = path, None
             if path.suffix == ".safetensors" and (base_dir / path.name).is_file():
                 pair = f"v{base}-v{version}.{base_digest[-12:]}{self._digest(version)[-12:]}"
                 blob = self.dir / DELTAS / pair / f"{path.name}.zst"
                 blob.parent.mkdir(parents=True, exist_ok=True)
-                if blob.exists() or make_delta(base_dir / path.name, path, blob) is not None:
+                if not blob.exists():  # else built for an earlier request; none is written when none is worth it
+                    idle.append(self._make_delta(base_dir / path.name, path, blob)[1])
+                if blob.exists():
                     source, delta = blob, {"base": base, "size": blob.stat().st_size}
                     deltas += 1
             hashes, whole = chunk_hashes(source, self.chunk_bytes)
@@ -200,7 +217,8 @@ class Manifests:
             files.append(entry)
         self._prune_deltas()
         log.info("weights_manifest_built", policy_version=version, base=base if deltas else None,
-                 files=len(files), deltas=deltas, seconds=round(time.monotonic() - started, 3))
+                 files=len(files), deltas=deltas, seconds=round(time.monotonic() - started, 3),
+                 built=len(idle), idle=bool(idle) and all(idle))
         return {"version": version, "digest": self._digest(version), "chunk_bytes": self.chunk_bytes,
                 "base": base if deltas else None, "files": files}
 

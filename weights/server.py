@@ -14,7 +14,8 @@ The protocol (docs/protocol.md, *Weight server*): a DEALER asks
 `MANIFEST {req, version, base?, base_digest?, delta_wait_ms?}` and gets
 the list of files with the xxh3 of every chunk; with a base the server still
 holds (same digest), `.safetensors` files come as deltas (weights/delta.py),
-built once per (base, version) pair at idle priority (weights/manifests.py).
+built once per (base, version) pair in a child process at idle priority
+(weights/manifests.py).
 A MANIFEST for a delta waits for its build at most `delta_wait_ms` (the
 receiver sends the time its last whole version took; 10 s when a client
 does not say), then gets the whole version; at once when the builder is

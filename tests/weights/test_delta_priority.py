@@ -1,6 +1,6 @@
-"""Deltas from CPU that training leaves: the weight server builds them at idle priority, and a client whose
-delta is not built within the time it says gets the whole version. Real server and sockets on loopback; a
-delta build is held back by wrapping the real `make_delta` (its own tests: tests/weights/test_network.py)."""
+"""Deltas from CPU that training leaves: the weight server builds them in a child process at idle priority, and
+a client whose delta is not built within the time it says gets the whole version. Real server, sockets and
+child processes on loopback; a delta build is held back by wrapping the real one."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from structlog.testing import capture_logs  # noqa: E402
 from rlbus.weights import manifests as manifests_module  # noqa: E402
 from rlbus.weights import server as server_module  # noqa: E402
 from rlbus.weights.fetch import Base, fetch_version  # noqa: E402
+from rlbus.weights.manifests import Manifests  # noqa: E402
 from rlbus.weights.server import WeightServer  # noqa: E402
 from tests.helpers.served import CHUNK_BYTES, state_of  # noqa: E402
 
@@ -31,30 +32,65 @@ def same_files(a, b) -> bool:
 @pytest.fixture
 def held_builds(monkeypatch):
     """Delta builds wait until the returned event is set; then they are the real ones."""
-    release, real = threading.Event(), manifests_module.make_delta
+    release, real = threading.Event(), Manifests._make_delta
 
-    def slow_make_delta(*args):
+    def slow_make_delta(self, *args):
         assert release.wait(60), "the test never let the build go"
-        return real(*args)
+        return real(self, *args)
 
-    monkeypatch.setattr(manifests_module, "make_delta", slow_make_delta)
+    monkeypatch.setattr(Manifests, "_make_delta", slow_make_delta)
     yield release
     release.set()
 
 
+def test_the_delta_child_process_runs_at_idle_priority_when_asked(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from tests.helpers.served import publish_versions
+
+    publish_versions(tmp_path, 2)
+    for flag, idle in (["--idle"], hasattr(os, "SCHED_IDLE")), ([], False):
+        out = tmp_path / f"delta{len(flag)}.zst"
+        files = [str(tmp_path / v / "model.safetensors") for v in ("v1", "v2")]
+        reply = subprocess.run([sys.executable, "-m", "rlbus.weights.delta", *flag, *files, str(out)],
+                               capture_output=True, text=True, check=True, timeout=60).stdout
+        assert json.loads(reply) == {"size": out.stat().st_size, "idle": idle}
+
+
 @linux_only
-def test_deltas_are_built_at_idle_priority_and_whole_manifests_are_not(served, tmp_path):
-    server, root, _ = served
-    assert server.manifests._builder.submit(os.sched_getscheduler, 0).result(10) == os.SCHED_IDLE
-    assert server.manifests._scanner.submit(os.sched_getscheduler, 0).result(10) == os.SCHED_OTHER
-    assert os.sched_getscheduler(0) == os.SCHED_OTHER, "the caller's own thread is left alone"
-    normal = WeightServer(root, chunk_bytes=CHUNK_BYTES, delta_priority="normal")
-    try:
-        assert normal.manifests._builder.submit(os.sched_getscheduler, 0).result(10) == os.SCHED_OTHER
-    finally:
-        normal.close()
+def test_the_server_builds_deltas_at_idle_priority_unless_told_otherwise(served, tmp_path):
+    server, root, digests = served
+    for priority, idle in (("idle", True), ("normal", False)):
+        other = server if priority == "idle" else WeightServer(root, chunk_bytes=CHUNK_BYTES, delta_priority=priority)
+        try:
+            with capture_logs() as logs:
+                got = other.manifests.get(2, 1, digests[1]).result(60)
+            assert got["base"] == 1
+            built = [e for e in logs if e["event"] == "weights_manifest_built"]
+            assert [(e["built"], e["idle"]) for e in built] == [(1, idle)], priority
+        finally:
+            if other is not server:
+                other.close()
     with pytest.raises(ValueError, match="delta_priority"):
         WeightServer(root, delta_priority="low")
+
+
+def test_closing_the_server_stops_a_build_at_once(served, monkeypatch):
+    """A build starved at idle priority must not hold up the trainer's exit: closing kills the child."""
+    server, _, digests = served
+    monkeypatch.setattr(manifests_module, "delta_command", lambda *_: ["sleep", "600"])  # a build that never ends
+    future = server.manifests.get(2, 1, digests[1])
+    deadline = time.monotonic() + 30
+    while server.manifests._child is None:
+        assert time.monotonic() < deadline, "the build never started"
+        time.sleep(0.01)
+    child = server.manifests._child
+    server.close()
+    assert child.wait(30) != 0
+    with pytest.raises(RuntimeError, match="failed"):
+        future.result(30)
 
 
 def test_a_delta_not_built_within_the_wait_comes_whole_and_later_as_a_delta(served, held_builds, tmp_path):
