@@ -18,7 +18,7 @@ holds a whole file in memory.
 
 The weight server builds deltas in a child process, `python -m
 rlbus.weights.delta [--idle] BASE TARGET OUT`, which prints
-`{"size": bytes or null, "idle": whether it ran at idle priority}`: see
+`{"size": bytes or null, "idle": whether it ran at idle priority, "cpu_s"}`: see
 weights/manifests.py for why not in a thread.
 """
 
@@ -123,10 +123,11 @@ def idle_priority() -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Write the delta of TARGET against BASE to OUT; print its size (null: none) and whether it ran at idle
-    priority, as JSON."""
+    """Write the delta of TARGET against BASE to OUT; print its size (null: none), whether it ran at idle
+    priority and the CPU seconds it took, as JSON."""
     import argparse
     import json
+    import time
 
     parser = argparse.ArgumentParser(prog="python -m rlbus.weights.delta", description=main.__doc__)
     parser.add_argument("--idle", action="store_true", help="run at idle priority (SCHED_IDLE on Linux)")
@@ -135,7 +136,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("out")
     args = parser.parse_args(argv)
     idle = idle_priority() if args.idle else False
-    print(json.dumps({"size": make_delta(args.base, args.target, args.out), "idle": idle}), flush=True)
+    size = make_delta(args.base, args.target, args.out)
+    print(json.dumps({"size": size, "idle": idle, "cpu_s": round(time.process_time(), 3)}), flush=True)
 
 
 if __name__ == "__main__":

@@ -11,12 +11,12 @@ delta does not slow a step. Not in a thread of the trainer's: a starved
 thread that asks for the GIL holds up the thread that drops it (CPython
 makes that one wait until another has taken it), so an idle-priority thread
 would stall training on a host whose cores are busy; and it could hold the
-trainer's exit as long as it is starved, where a child is killed. They are kept under `.deltas/` beside the versions and
-dropped with them. Once a client has asked for a delta, `add` starts the
-build of each new version's delta from the one before, so a client that
-asks once the version is announced finds it ready when there was CPU to
-spare; not while two builds wait (`backlog`), so a trainer that leaves no
-CPU does not pile them up.
+trainer's exit as long as it is starved, where a child is killed. Deltas are
+kept under `.deltas/` beside the versions and dropped with them. Once a
+client has asked for a delta, `add` starts the build of each new version's
+delta from the one before, so a client that asks once the version is
+announced finds it ready when there was CPU to spare; not while two builds
+wait (`backlog`), so a trainer that leaves no CPU does not pile them up.
 """
 
 from __future__ import annotations
@@ -96,6 +96,7 @@ class Manifests:
         if child.returncode != 0:
             raise RuntimeError(f"building the delta of {target} failed (exit {child.returncode}): {errors[-500:]}")
         reply = json.loads(printed)
+        self.cpu_s += reply["cpu_s"]
         return reply["size"], reply["idle"]
 
     def add(self, version: int, previous: tuple[int, str] | None) -> str:
