@@ -141,8 +141,8 @@ class SyncConfig(Section):
     """idle: deltas are built in a child process on CPU that training leaves (Linux SCHED_IDLE), so they do not
     slow a step; an explorer whose delta is not ready within the time its last whole version took (at once when the
     builder is behind) gets the whole version. normal: deltas compete with training for the CPU (on a trainer
-    training on one CPU core, with two explorers: steps 13% slower, against 8% at idle priority and 9% for whole
-    versions), for a trainer without spare CPU whose explorers are on a slow network."""
+    training on one CPU core, with two explorers: steps 12-16% slower, against 8-14% at idle priority and 9-10%
+    for whole versions), for a trainer without spare CPU whose explorers are on a slow network."""
     serve_chunk_mb: float = Field(4.0, gt=0, le=64)
     """Weights travel in chunks of this size, each checked on arrival."""
     max_swapping: int = Field(0, ge=0)

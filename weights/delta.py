@@ -30,8 +30,6 @@ import sys
 import threading
 from pathlib import Path
 
-import numpy as np
-
 BLOCK = 16 << 20
 LEVEL = 1  # zstd level 3 gives the same size on weight XORs (measured) and costs more time
 
@@ -53,6 +51,7 @@ def compatible(base: str | Path, target: str | Path) -> bool:
 
 def make_delta(base: str | Path, target: str | Path, out: str | Path) -> int | None:
     """Write zstd(base XOR target) to `out`; its size, or None when no delta is possible or worth it."""
+    import numpy as np  # here, not at the top: the builder's child sets its priority before it imports them
     import zstandard
 
     base, target, out = Path(base), Path(target), Path(out)
@@ -82,6 +81,7 @@ def make_delta(base: str | Path, target: str | Path, out: str | Path) -> int | N
 def apply_delta(base: str | Path, delta: str | Path, out: str | Path) -> int:
     """Write base XOR unzstd(delta) to `out` (over its bytes when it exists: see weights/fetch.py); the bytes
     written. Raises ValueError on a delta that does not fit."""
+    import numpy as np
     import zstandard
 
     base, delta, out = Path(base), Path(delta), Path(out)
