@@ -27,10 +27,9 @@ that fetch every version it publishes from its weight server (`sync.serve`,
 deltas on, as explorers on other hosts do), with the server building deltas
 at normal priority instead of idle (`sync.serve_delta_priority`), and with
 the same clients taking whole versions only; `--serve-rounds` alternations
-of the four. The
-server's reads, delta builds and sends run in the trainer's process, on its
-cores, so the step time with clients against without is the slowdown that
-serving causes. Step i trains the same batch in every run, so steps are
+of the four. The server's reads and sends run in the trainer's process and
+its delta builds in children of it, all on its cores, so the step time with
+clients against without is the slowdown that serving causes. Step i trains the same batch in every run, so steps are
 also compared in pairs.
 
     python benchmarks/trainer.py [--steps N] [--world-size N] [--serve N [--serve-rounds R]]
@@ -38,9 +37,10 @@ also compared in pairs.
 Last line: one JSON object with tokens_per_s and non_compute_share (shared
 prompts), ratio_to_rows, each variant's figures, with --world-size a "ranks"
 object (per world size, and the ratio of N's tokens/s to 1's), and with
---serve a "serving" object: per variant (deltas, deltas_normal, whole) its step_slowdown (total
-step time over the baseline's, minus 1), the median of the paired steps', and
-the versions its clients fetched; step_slowdown at the top is the deltas'.
+--serve a "serving" object: per variant (deltas, deltas_normal, whole) its
+step_slowdown (total step time over the baseline's, minus 1), the median of
+the paired steps', and the versions its clients fetched; step_slowdown at
+the top is the deltas'.
 """
 
 from __future__ import annotations

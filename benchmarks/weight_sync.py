@@ -13,10 +13,10 @@ served by a WeightServer with the path made unreadable to the explorers (as
 on a separate host): first whole versions, then deltas against the version
 each explorer holds (built at normal priority, and the explorers wait for
 each build, `explorer.delta_wait_s`, where by default they would take a
-whole version that comes sooner). The sync time of a version runs from the start of
-publishing to the last explorer's `weights_loaded` line for it: after that
-line the explorer's next generation uses the version. K = 1, 2, 4: explorers
-join one by one.
+whole version that comes sooner). The sync time of a version runs from the
+start of publishing to the last explorer's `weights_loaded` line for it:
+after that line the explorer's next generation uses the version. K = 1, 2,
+4: explorers join one by one.
 
 Floors, measured in the same run on the same bytes:
 - bare_broadcast_s: the buckets broadcast by gloo between plain processes;
