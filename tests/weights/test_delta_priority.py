@@ -62,7 +62,7 @@ def test_the_delta_child_process_runs_at_idle_priority_when_asked(tmp_path):
 
 
 @linux_only
-def test_the_server_builds_deltas_at_idle_priority_unless_told_otherwise(served, tmp_path):
+def test_the_server_builds_deltas_at_idle_priority_unless_told_otherwise(served):
     server, root, digests = served
     for priority, idle in (("idle", True), ("normal", False)):
         if priority == "normal":
