@@ -44,6 +44,14 @@ def held_builds(monkeypatch):
     release.set()
 
 
+def built_all(server) -> None:
+    """Wait until the server has no delta build left to finish."""
+    deadline = time.monotonic() + 30
+    while server.manifests.backlog:
+        assert time.monotonic() < deadline, "a delta build never finished"
+        time.sleep(0.01)
+
+
 def test_the_delta_child_process_runs_at_idle_priority_when_asked(tmp_path):
     import json
     import subprocess
@@ -129,10 +137,7 @@ def test_a_builder_that_is_behind_sends_the_whole_version_at_once_and_takes_no_m
     server.add(3, (2, digests[2]))
     assert server.manifests.backlog == 2, "no third build queued behind two"
     held_builds.set()
-    deadline = time.monotonic() + 30
-    while server.manifests.backlog:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    built_all(server)
 
 
 def test_a_client_that_does_not_say_waits_the_servers_default(served, held_builds, tmp_path, monkeypatch):
@@ -164,10 +169,7 @@ def test_the_receiver_waits_for_a_delta_as_long_as_its_last_whole_version_took(s
     # of 1 s (the small version comes in far less) is not carried over, and waits do not grow fetch by fetch.
     receiver._whole_s = 1.0
     held_builds.set()  # v1 to v2 is built; v2 to v3 will be held, with the builder not behind
-    deadline = time.monotonic() + 30
-    while server.manifests.backlog:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    built_all(server)
     held_builds.clear()
     with capture_logs() as logs:
         assert receiver.load(engine, state_of(server, root, digests, 3, location=elsewhere / "v3"))
