@@ -86,8 +86,10 @@ class AlgorithmConfig(Section):
     """mask: largest importance weight kept."""
     kl_coef: float = Field(0.0, ge=0)
     """Weight of the KL term to the frozen reference model (0: no reference model is loaded)."""
-    kl_kind: Literal["k1", "k3"] = "k3"
-    """KL estimator."""
+    kl_kind: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator in the loss (x = log pi - log ref): k1 = x, k2 = x^2/2 (its gradient is that of KL(pi || ref)),
+    k3 = exp(-x) + x - 1 (its gradient is that of the forward KL(ref || pi): it pulls back up tokens the policy learnt
+    to avoid)."""
     aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
     """How token losses become the batch loss."""
     loss_denominator: Literal["trained", "batch"] = "trained"

@@ -70,10 +70,22 @@ def zero_spread_groups(rewards: torch.Tensor, group_ids: torch.Tensor) -> set[in
 
 
 def kl_estimate(logp: torch.Tensor, logp_ref: torch.Tensor, kind: str = "k3") -> torch.Tensor:
-    """Per-token KL(pi || ref) estimates from sampled tokens: k1 = log ratio, k3 = exp(-x) + x - 1 with x = log ratio."""
+    """Per-token estimates of KL(pi || ref) from tokens sampled from pi, with x = logp - logp_ref.
+
+    k1 = x, k2 = x^2 / 2, k3 = exp(-x) + x - 1. As a loss term (no score
+    function, the tokens' sampling distribution held fixed), their gradients
+    differ: k2's is x grad logp, whose expectation is the gradient of
+    KL(pi || ref); k3's is (1 - ref/pi) grad logp, whose expectation is the
+    gradient of the *forward* KL(ref || pi). For small x the two agree, but
+    for a token that pi has learnt to avoid and ref favours, k3's weight
+    1 - ref/pi grows without bound and pulls the token back up, against a
+    negative advantage; k2's grows with the log ratio only.
+    """
     log_ratio = logp - logp_ref
     if kind == "k1":
         return log_ratio
+    if kind == "k2":
+        return 0.5 * log_ratio.square()
     if kind == "k3":
         return torch.exp(-log_ratio) + log_ratio - 1
     raise ValueError(f"unknown KL estimator {kind!r}")

@@ -40,7 +40,40 @@ def test_zero_spread_groups():
 def test_kl_estimators():
     logp, ref = torch.tensor([-1.0]), torch.tensor([-1.5])
     assert kl_estimate(logp, ref, "k1").item() == pytest.approx(0.5)
+    assert kl_estimate(logp, ref, "k2").item() == pytest.approx(0.125)
     assert kl_estimate(logp, ref, "k3").item() == pytest.approx(math.exp(-0.5) + 0.5 - 1)
+
+
+@pytest.mark.parametrize("kind, forward", [("k2", False), ("k3", True)])
+def test_kl_loss_gradient_in_expectation_is_that_of_the_reverse_or_the_forward_kl(kind, forward):
+    """Over every token of a categorical, weighted by pi (the sampling distribution, held fixed as in the
+    loss), k2's gradient is that of KL(pi || ref) and k3's that of KL(ref || pi)."""
+    torch.manual_seed(0)
+    logits = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    log_ref = torch.log_softmax(torch.randn(6, dtype=torch.float64), -1)
+
+    def grad(of):
+        logp = torch.log_softmax(logits, -1)
+        return torch.autograd.grad(of(logp), logits)[0]
+
+    estimated = grad(lambda logp: (logp.exp().detach() * kl_estimate(logp, log_ref, kind)).sum())
+    reverse = grad(lambda logp: (logp.exp() * (logp - log_ref)).sum())
+    forward_kl = grad(lambda logp: (log_ref.exp() * (log_ref - logp)).sum())
+    want, other = (forward_kl, reverse) if forward else (reverse, forward_kl)
+    assert torch.allclose(estimated, want, atol=1e-12)
+    assert not torch.allclose(estimated, other, atol=1e-3)
+
+
+def test_k3_pulls_an_avoided_token_back_up_against_its_negative_advantage_and_k2_does_not():
+    """A sampled token the policy gives 0.5% and the reference 50%, advantage -2: with kl_coef 0.04, k3's
+    gradient outweighs the advantage's and raises the token; k2's does not."""
+    def grad_of(kind):
+        logp = torch.tensor([[math.log(0.005)]], dtype=torch.float64, requires_grad=True)
+        loss, _ = policy_loss(logp, logp.detach(), logp.detach(), torch.tensor([-2.0], dtype=torch.float64),
+                              torch.ones(1, 1, dtype=torch.bool), LossConfig(kl_coef=0.04, kl_kind=kind),
+                              logp_ref=torch.tensor([[math.log(0.5)]], dtype=torch.float64))
+        return torch.autograd.grad(loss, logp)[0].item()
+    assert grad_of("k3") < 0 < grad_of("k2")  # descent raises logp under k3, lowers it under k2
 
 
 def test_aggregations():
