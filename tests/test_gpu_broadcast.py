@@ -44,6 +44,72 @@ def _member(ann: dict, rank: int, device: str, out) -> None:
     member.close()
 
 
+needs_a_gpu = pytest.mark.skipif(_gpus() < 1, reason="needs a CUDA GPU and cupy with NCCL (none here)")
+
+
+@needs_a_gpu
+def test_nccl_communicator_of_one_rank_broadcasts_in_place_and_closes():
+    # NCCL refuses two ranks on one GPU, so one GPU checks what cupy's binding is asked for: the unique id
+    # through the epoch's store, the communicator, a broadcast polled on the stream, the async-error check.
+    import torch
+
+    from rlbus.weights.broadcast import Layout, bucket_digest, epoch_store, make_comm, serve_store
+
+    w = {"a": torch.randn(1024, 1024, device="cuda:0", dtype=torch.bfloat16), "b": torch.randn(333, device="cuda:0")}
+    layout = Layout.plan(list(w.items()), bucket_bytes=1 << 20)
+    buckets = layout.allocate("cuda:0")
+    layout.fill(buckets, w)
+    digest = bucket_digest(buckets)
+    store, port = serve_store("127.0.0.1", 0, 30)
+    kv, _ = epoch_store(f"127.0.0.1:{port}", 1, 30, store=store)
+    comm = make_comm("nccl", kv, 0, 1, 30, "127.0.0.1")
+    try:
+        for bucket in buckets:
+            comm.broadcast(bucket)
+    finally:
+        comm.close()
+    assert kv.check(["nccl_uid"])
+    assert bucket_digest(buckets) == digest
+    assert all(torch.equal(t, w[n]) for n, t in layout.views(buckets))
+    comm.close()  # a second close is harmless
+
+
+def _absent_member(port: int, out) -> None:
+    import time
+
+    from rlbus.weights.broadcast import BroadcastError, epoch_store, make_comm, serve_store
+
+    store, _ = serve_store("127.0.0.1", port, 30)
+    kv, _ = epoch_store(f"127.0.0.1:{port}", 1, 30, store=store)
+    started = time.monotonic()
+    try:
+        make_comm("nccl", kv, 0, 2, 3, "127.0.0.1")
+        out.put(("joined", time.monotonic() - started))
+    except BroadcastError as exc:
+        out.put((str(exc), time.monotonic() - started))
+
+
+@needs_a_gpu
+def test_nccl_rank_whose_member_never_comes_gives_up_within_its_timeout():
+    # The trainer's rank 0 of a two-rank epoch whose member never starts: NCCL's init would wait for ever; the
+    # communicator gives up after its 3 s timeout with a BroadcastError, and the process then exits.
+    from tests.conftest import free_port
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_absent_member, args=(free_port(), out), daemon=True)
+    proc.start()
+    try:
+        message, seconds = out.get(timeout=60)
+        proc.join(30)
+        assert not proc.is_alive(), "the rank's process did not exit after giving up"
+    finally:
+        if proc.is_alive():
+            os.kill(proc.pid, signal.SIGKILL)
+    assert "NCCL init (rank 0 of 2)" in message and "took over 3" in message
+    assert 3 <= seconds < 10
+
+
 @needs_two_gpus
 def test_nccl_broadcast_between_two_gpus_checks_the_digest():
     import torch

@@ -69,6 +69,10 @@ class Learner:
             for model in (self.model, self.reference):
                 if model is not None:
                     model.set_attn_implementation("eager")
+        elif t.deterministic and self.device.type == "cuda":
+            # SDPA's fused CUDA kernels (memory-efficient, flash) sum gradients in no fixed order, and torch only
+            # warns about it under warn_only: plain attention keeps a replay's weights equal bit for bit.
+            self.model.set_attn_implementation("eager")
         # Every forward goes through a Policy: the root FSDP2 unit when sharded, a plain call otherwise.
         self.policy = distributed.shard(self.model, world) if world else Policy(self.model)
         self.reference_policy = None

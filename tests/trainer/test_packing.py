@@ -68,33 +68,27 @@ def test_prompt_length_outside_the_row_is_refused():
 
 
 def _logprobs_and_grads(model, batch, packed: bool, autocast: bool = False):
+    """Token logprobs, entropies and the flat gradient of a policy-gradient loss, on the model's device."""
     from rlbus.trainer.model import token_logprobs
 
+    device = next(model.parameters()).device
+    ids, att = batch.input_ids.to(device), batch.attention_mask.to(device)
+    mask, adv = batch.loss_mask.to(device), batch.advantages.to(device)
     model.zero_grad(set_to_none=True)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
         if packed:
             p = pack(batch.input_ids, batch.attention_mask, batch.prompt_lens)
-            logp, entropy = packed_token_logprobs(model, p, batch.input_ids, with_entropy=True,
-                                                  positions=batch.loss_mask)
+            logp, entropy = packed_token_logprobs(model, p, ids, with_entropy=True, positions=mask)
         else:
-            logp, entropy = token_logprobs(model, batch.input_ids, batch.attention_mask, with_entropy=True,
-                                           positions=batch.loss_mask)
-    loss = -(logp * batch.loss_mask * batch.advantages[:, None]).sum() / batch.loss_mask.sum()
+            logp, entropy = token_logprobs(model, ids, att, with_entropy=True, positions=mask)
+    loss = -(logp * mask * adv[:, None]).sum() / mask.sum()
     loss.backward()
     grads = torch.cat([q.grad.flatten() for q in model.parameters() if q.grad is not None])
     return logp.detach(), entropy, grads
 
 
-@pytest.mark.parametrize("model_name", ["tiny", "smollm2-135m"])
-def test_packed_logprobs_and_gradients_equal_one_row_per_sample(model_name, tiny_model):
-    from transformers import AutoModelForCausalLM
-
-    from rlbus.weights.models import resolve_model
-
-    path = tiny_model if model_name == "tiny" else resolve_model("smollm2-135m")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    model.train()
-    batch = example(vocab=model.config.vocab_size)
+def assert_packed_equals_rows(model, batch) -> None:
+    """Packed and one-row-per-sample logprobs, entropies and gradients agree, in float32 and in bfloat16."""
     rows_logp, rows_entropy, rows_grad = _logprobs_and_grads(model, batch, packed=False)
     packed_logp, packed_entropy, packed_grad = _logprobs_and_grads(model, batch, packed=True)
     assert (rows_logp != 0).sum() == batch.loss_mask.sum()
@@ -109,6 +103,18 @@ def test_packed_logprobs_and_gradients_equal_one_row_per_sample(model_name, tiny
     assert (bf_packed - bf_rows).abs().max() < 0.15
     cosine = torch.nn.functional.cosine_similarity(bf_packed_grad, bf_rows_grad, dim=0)
     assert cosine > 0.99
+
+
+@pytest.mark.parametrize("model_name", ["tiny", "smollm2-135m"])
+def test_packed_logprobs_and_gradients_equal_one_row_per_sample(model_name, tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    from rlbus.weights.models import resolve_model
+
+    path = tiny_model if model_name == "tiny" else resolve_model("smollm2-135m")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.train()
+    assert_packed_equals_rows(model, example(vocab=model.config.vocab_size))
 
 
 def test_trainer_step_is_the_same_with_and_without_shared_prompts(tiny_model, tmp_path):
