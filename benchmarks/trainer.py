@@ -32,7 +32,11 @@ its delta builds in children of it, all on its cores, so the step time with
 clients against without is the slowdown that serving causes. Step i trains the same batch in every run, so steps are
 also compared in pairs.
 
-    python benchmarks/trainer.py [--steps N] [--world-size N] [--serve N [--serve-rounds R]]
+    python benchmarks/trainer.py [--steps N] [--world-size N] [--serve N [--serve-rounds R]] [--set KEY=VALUE ...]
+
+`--set` passes a config override to every trainer it runs: `--set trainer.device=cuda` measures a GPU, and
+with `--set trainer.deterministic=false` SDPA's fused kernels instead of the plain attention that
+deterministic training takes there.
 
 Last line: one JSON object with tokens_per_s and non_compute_share (shared
 prompts), ratio_to_rows, each variant's figures, with --world-size a "ranks"
@@ -208,7 +212,8 @@ def train(model: str, steps: int, shared_prompt: bool, micro_batch: int, world: 
     return events(log)
 
 
-def serving_cost(model: str, steps: int, fetchers: int, rounds: int, whole: bool = True) -> dict:
+def serving_cost(model: str, steps: int, fetchers: int, rounds: int, whole: bool = True,
+                 extra: list[str] = ()) -> dict:
     """The trainer's step time on its own cores while `fetchers` clients fetch every version (deltas, then,
     with `whole`, deltas built at normal priority and whole versions only) against nobody fetching; `rounds`
     alternations, steps paired by index (step i trains the same batch in every run)."""
@@ -218,9 +223,9 @@ def serving_cost(model: str, steps: int, fetchers: int, rounds: int, whole: bool
     steps_of: dict[str, list[list[dict]]] = {name: [] for name, _, _ in variants}
     fetched_of: dict[str, list] = {name: [] for name, _, _ in variants}
     for r in range(rounds):
-        for name, n, extra in variants:
-            got, published = run_variant(model, steps, True, 32, world=1, extra=extra, fetched=fetched_of[name],
-                                         fetchers=n)
+        for name, n, more in variants:
+            got, published = run_variant(model, steps, True, 32, world=1, extra=[*extra, *more],
+                                         fetched=fetched_of[name], fetchers=n)
             summarize(f"round {r + 1} {name} ({n} fetching)", got, published)
             steps_of[name].append(got)
     base = [e["step_s"] for run in steps_of["baseline"] for e in run]
@@ -272,6 +277,8 @@ def main() -> None:
                     help="also measure the trainer's step time while N clients fetch every version it publishes")
     ap.add_argument("--serve-rounds", type=int, default=2, metavar="R",
                     help="--serve: alternations of the runs without and with clients (default 2)")
+    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override for every trainer run (e.g. trainer.device=cuda)")
     ap.add_argument("--smoke", action="store_true", help="one timed step: checks that the benchmark runs")
     args = ap.parse_args()
     if args.smoke:
@@ -288,15 +295,16 @@ def main() -> None:
     model = str(resolve_model(args.model))
     figures = {}
     for name, shared, micro in (("rows", False, 8), ("shared_prompt", True, 32)):
-        figures[name] = summarize(name, *run_variant(model, args.steps, shared, micro))
+        figures[name] = summarize(name, *run_variant(model, args.steps, shared, micro, extra=args.sets))
     speedup = figures["shared_prompt"]["tokens_per_s"] / figures["rows"]["tokens_per_s"]
     print(f"shared-prompt training: {speedup:.2f}x the trained tokens/s of one row per sample")
-    out = {"tokens_per_s": figures["shared_prompt"]["tokens_per_s"],
+    out = {"tokens_per_s": figures["shared_prompt"]["tokens_per_s"], "sets": args.sets,
            "non_compute_share": figures["shared_prompt"]["non_compute_share"],
            "ratio_to_rows": round(speedup, 3), "steps": args.steps, **figures}
     if args.world_size:
         # Micro-batches of 8: at world size N each rank trains its share of the batch's 4.
-        ranks = {str(w): summarize(f"world_size {w}", *run_variant(model, args.steps, True, 8, world=w))
+        ranks = {str(w): summarize(f"world_size {w}", *run_variant(model, args.steps, True, 8, world=w,
+                                                                   extra=args.sets))
                  for w in (1, args.world_size)}
         ratio = ranks[str(args.world_size)]["tokens_per_s"] / ranks["1"]["tokens_per_s"]
         print(f"world size {args.world_size}: {ratio:.2f}x the trained tokens/s of world size 1")
@@ -304,7 +312,7 @@ def main() -> None:
     if args.serve:
         # The smoke leaves out whole versions: the same path with deltas off.
         out["serving"] = serving_cost(model, args.steps, args.serve, 1 if args.smoke else args.serve_rounds,
-                                      whole=not args.smoke)
+                                      whole=not args.smoke, extra=args.sets)
     print(json.dumps(out))
 
 
