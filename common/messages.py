@@ -70,7 +70,7 @@ class Lease(Header):
     policy_version: Int
 
 
-class Trajectory(Struct, forbid_unknown_fields=False):
+class Trajectory(Struct, forbid_unknown_fields=False, gc=False):
     """One trajectory's metadata (its payload is a frame of its own; see docs/protocol.md)."""
 
     id: Id
