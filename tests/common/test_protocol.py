@@ -57,3 +57,16 @@ def test_payload_with_wrong_length_is_refused():
     frame = P.pack({"v": 1, "a": {"dtype": "int32", "shape": [3], "data": b"\0" * 8}})
     with pytest.raises(ValueError, match="does not match"):
         decode_payload(frame)
+
+
+def test_trajectory_headers_are_not_tracked_by_the_cyclic_collector():
+    # The broker validates 64 of them per PUT; tracked, they would run the collector every few trajectories.
+    import gc
+
+    from rlbus.common.messages import Trajectory, check
+
+    put = check("PUT", {"trajectories": [{"id": "a", "group_id": "g", "task_id": "t", "group_size": 1,
+                                          "batch_index": 0, "policy_version": 0, "reward": 1.0, "n_tokens": 1,
+                                          "payload_bytes": 4, "info": {"k": [1]}}]})
+    assert isinstance(put.trajectories[0], Trajectory)
+    assert not gc.is_tracked(put.trajectories[0])
