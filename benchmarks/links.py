@@ -4,6 +4,8 @@ namespace that stands for another host (benchmarks/weight_sync.py --link-mbit)."
 from __future__ import annotations
 
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
@@ -43,20 +45,38 @@ def loopback_mb_s(nbytes: int) -> float:
 
 
 LINK = ("10.232.0.1", "10.232.0.2")  # this host's end, the explorers' end
+PREFIX = "rlws"  # + the pid of the benchmark that made the link: its namespace, and the veth ends with h and e
+
+
+def _drop(tag: str) -> None:
+    subprocess.run(["ip", "link", "del", f"{tag}h"], capture_output=True)
+    subprocess.run(["ip", "netns", "del", tag], capture_output=True)
+
+
+def _clear_the_address() -> None:
+    """Drop the links of benchmarks that died without taking theirs down (SIGKILL runs no cleanup); every link
+    has the same addresses, so one left behind would cut every later run's explorers off. A link whose
+    benchmark is alive is refused with its name instead."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    for tag in listed:
+        owner = re.fullmatch(rf"{PREFIX}(\d+)", tag)
+        if owner and not os.path.exists(f"/proc/{owner.group(1)}"):
+            _drop(tag)
+    held = subprocess.run(["ip", "-br", "-4", "addr", "show", "to", f"{LINK[0]}/32"], capture_output=True,
+                          text=True).stdout.split()
+    if held:
+        raise SystemExit(f"cannot make the link: {LINK[0]} is held by interface {held[0]} (another benchmark's "
+                         f"link, or one of this host's own); take it down, or wait for that benchmark to end")
 
 
 @contextmanager
 def link(mbit: float) -> Iterator[str]:
     """A second network namespace for the explorers, joined to this one by a veth link whose direction towards
     them (chunks, as from a trainer on another host) is shaped to `mbit` by tc's token bucket. Yields the
-    namespace's name. Needs root and iproute2."""
-    tag = f"rlws{os.getpid() % 100000}"
+    namespace's name. Needs root and iproute2. SIGTERM ends the run through the link's removal."""
+    tag = f"{PREFIX}{os.getpid()}"
     here, there = f"{tag}h", f"{tag}e"
-
-    def drop() -> None:
-        subprocess.run(["ip", "link", "del", here], capture_output=True)
-        subprocess.run(["ip", "netns", "del", tag], capture_output=True)
-
+    _clear_the_address()
     try:
         for argv in (("ip", "netns", "add", tag), ("ip", "-n", tag, "link", "set", "lo", "up"),
                      ("ip", "link", "add", here, "type", "veth", "peer", "name", there),
@@ -67,13 +87,15 @@ def link(mbit: float) -> Iterator[str]:
                       "latency", "100ms")):
             subprocess.run(argv, check=True, capture_output=True)
     except (OSError, subprocess.CalledProcessError) as exc:
-        drop()
+        _drop(tag)
         why = exc.stderr.decode().strip() if isinstance(exc, subprocess.CalledProcessError) else str(exc)
         raise SystemExit(f"cannot make the link (root and iproute2's ip and tc are needed): {why}") from exc
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
         yield tag
     finally:
-        drop()
+        signal.signal(signal.SIGTERM, previous)
+        _drop(tag)
 
 
 def link_mb_s(namespace: str, nbytes: int) -> float:

@@ -42,6 +42,7 @@ LINK_UNAVAILABLE = "" if os.geteuid() == 0 and shutil.which("ip") and shutil.whi
     "the link needs root, ip and tc"
 
 SMOKE_TIMEOUT_S = 400
+KILL_GRACE_S = 15  # from SIGTERM to SIGKILL
 AT_ONCE = 2  # smoke runs side by side: much of each is one-core work (imports, engine start-up)
 
 
@@ -78,8 +79,17 @@ class Smoke:
         return self.proc.returncode, self.out.read_text(), self.err.read_text()
 
     def kill(self) -> None:
+        """SIGTERM first, so that a run takes down what it set up (a network link); SIGKILL after a grace."""
         if self.running:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(KILL_GRACE_S)
+            except subprocess.TimeoutExpired:
+                pass
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
             self.proc.wait()
 
 
@@ -131,3 +141,51 @@ def test_benchmark_smoke_mode_runs_and_exits(name, smokes):
     assert isinstance(figures, dict) and figures
     missing = [key for key in FIGURES.get(name, ()) if figures.get(key) is None]
     assert not missing, f"{name} gave no {missing}: {out[-2000:]}"
+
+
+HOLD_A_LINK = ("import sys, time; sys.path.insert(0, '.'); from benchmarks.links import link\n"
+               "with link(2000) as tag:\n    print(tag, flush=True); time.sleep(120)")
+
+
+def namespaces() -> set[str]:
+    return set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
+
+
+def hold_a_link() -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, "-c", HOLD_A_LINK], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    tag = proc.stdout.readline().strip()
+    assert tag.startswith("rlws") and tag in namespaces(), tag
+    return proc, tag
+
+
+@pytest.mark.skipif(bool(LINK_UNAVAILABLE), reason=LINK_UNAVAILABLE or "-")
+def test_a_link_left_by_a_killed_benchmark_does_not_cut_off_the_next_one():
+    # SIGKILL runs no cleanup: the namespace stays, with the address every link uses. The next link drops it.
+    proc, stale = hold_a_link()
+    proc.kill()
+    proc.wait()
+    assert stale in namespaces()
+    from benchmarks.links import link
+
+    with link(2000) as tag:
+        assert stale not in namespaces() and tag in namespaces()
+        listed = subprocess.run(["ip", "-n", tag, "-br", "-4", "addr"], capture_output=True, text=True).stdout
+        assert "10.232.0.2/30" in listed
+    assert tag not in namespaces()
+
+
+@pytest.mark.skipif(bool(LINK_UNAVAILABLE), reason=LINK_UNAVAILABLE or "-")
+def test_a_benchmark_stopped_by_sigterm_takes_its_link_down_and_a_live_ones_link_is_not_taken():
+    proc, tag = hold_a_link()
+    try:
+        from benchmarks.links import link
+
+        with pytest.raises(SystemExit, match="10.232.0.1 is held by interface"):
+            with link(2000):
+                pass
+        assert tag in namespaces(), "the live benchmark's link is left alone"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(30)
+    assert code == 128 + signal.SIGTERM
+    assert tag not in namespaces()
