@@ -14,7 +14,6 @@ line; nothing a peer sends can stop the loop or lose acknowledged data.
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import time
@@ -29,7 +28,6 @@ from rlbus.broker.bus import WeightBus
 from rlbus.broker.peers import Peer, Peers
 from rlbus.broker.rewards import RewardRouter
 from rlbus.broker.buffer import Buffer
-from rlbus.broker.metrics import serve_metrics
 from rlbus.broker.store import Store
 from rlbus.broker.swaps import SwapSlots
 from rlbus.broker.tasks import TaskQueue, refusal
@@ -40,8 +38,6 @@ from rlbus.common.curve import load_server_auth
 from rlbus.common.tasksets import make_taskset
 
 log = structlog.get_logger()
-
-GC_YOUNG_THRESHOLD = 50_000  # allocations between young-generation collections (CPython's default: 700)
 
 _WHO = {"explorer": "explorers", "trainer": "the trainer", "reward": "reward workers"}
 ROLLOUT_FIELDS = fields(Rollout)
@@ -389,19 +385,3 @@ class Broker:
             self._auth.stop()
         self.store.close()
 
-
-def run(cfg: RunConfig) -> None:
-    """Entry point of `rlbus broker`: serve until SIGTERM or SIGINT."""
-    import signal
-
-    Path(cfg.buffer_dir()).mkdir(parents=True, exist_ok=True)
-    broker = Broker(cfg)
-    # Every trajectory the broker holds is a few small objects, so the default young-generation threshold
-    # (700 allocations) runs the cyclic collector every few trajectories; what start-up built (modules, the
-    # index restored from disk) is frozen out of it.
-    gc.freeze()
-    gc.set_threshold(GC_YOUNG_THRESHOLD, 10, 10)
-    serve_metrics(broker)
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, lambda *_: broker.stop())
-    broker.serve()

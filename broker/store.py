@@ -142,23 +142,32 @@ class Store:
         refused before anything is stored. `adding`, `sizes` and `seen` carry
         what earlier PUTs of the same drain will add.
         """
-        mine: Counter[str] = Counter()
+        mine: dict[str, int] = {}
         new: set[str] = set()
+        # Per group, looked up once per PUT: (its size, the samples it has or gets before this PUT, its state).
+        known: dict[str, tuple[int, int, int]] = {}
+        ids, pending = self.ids, self.pending_ids
         for m in metas:
-            tid, gid, size = m["id"], m["group_id"], m["group_size"]
-            if tid in self.ids or tid in self.pending_ids or tid in seen or tid in new:
+            tid = m["id"]
+            if tid in ids or tid in pending or tid in seen or tid in new:
                 continue  # a resend: answered as a duplicate
             new.add(tid)
-            group = self.groups.get(gid)
-            known = group.size if group is not None else sizes.get(gid, size)
-            if known != size:
-                return f"trajectory {tid}: group {gid} has group_size {known}, this trajectory says {size}"
-            if group is not None and group.state != FILLING:
+            gid, size = m["group_id"], m["group_size"]
+            facts = known.get(gid)
+            if facts is None:
+                group = self.groups.get(gid)
+                before = self.pending_groups.get(gid, 0) + adding.get(gid, 0)
+                facts = known[gid] = ((sizes.get(gid, size), before, FILLING) if group is None else
+                                      (group.size, len(group.trajs) + before, group.state))
+            group_size, have, state = facts
+            if group_size != size:
+                return f"trajectory {tid}: group {gid} has group_size {group_size}, this trajectory says {size}"
+            if state != FILLING:
                 return f"trajectory {tid}: group {gid} is complete already; no sample can join it"
-            have = (len(group.trajs) if group else 0) + self.pending_groups[gid] + adding[gid] + mine[gid]
-            if have >= size:
+            count = mine.get(gid, 0)
+            if have + count >= size:
                 return f"trajectory {tid}: group {gid} has all its {size} samples already"
-            mine[gid] += 1
+            mine[gid] = count + 1
         adding.update(mine)
         seen |= new
         for m in metas:
@@ -174,22 +183,27 @@ class Store:
         """
         job = WriteJob()
         self.segments.align()
+        ids, pending, planned = self.ids, self.pending_ids, job.ids
         for items in batches:
             self.segments.start_chunk()
+            segment, start = self.segments.place(0)  # a chunk's payloads go back to back from here
+            offset = start
             chunk = []
-            job.stored_by.append(set())
+            stored = set()
             src_off = 0  # offset of each payload in the frame it arrived in
             for meta, payload in items:
                 size = len(payload)
                 tid = meta["id"]
-                if tid not in self.ids and tid not in self.pending_ids and tid not in job.ids:
+                if tid not in ids and tid not in pending and tid not in planned:
                     view = payload if isinstance(payload, memoryview) else memoryview(payload)
-                    segment, offset = self.segments.place(size)
                     chunk.append(Traj(tid, meta["policy_version"], float(meta["reward"]), segment, offset, size, 0,
                                       meta, view, src_off))
-                    job.ids.add(tid)
-                    job.stored_by[-1].add(tid)
+                    offset += size
+                    planned.add(tid)
+                    stored.add(tid)
                 src_off += size
+            self.segments.place(offset - start)
+            job.stored_by.append(stored)
             if chunk:
                 job.chunks.append(chunk)
         if not job.chunks:
@@ -249,16 +263,20 @@ class Store:
 
     def _attach(self, trajs: list[Traj]) -> list[Group]:
         touched: dict[str, Group] = {}
+        gid, group = None, None
         for traj in trajs:
             meta = traj.meta
-            group = self.groups.get(meta["group_id"])
-            if group is None:
-                group = self.groups[meta["group_id"]] = Group(meta["group_id"], meta["batch_index"],
-                                                              meta["group_size"], min_version=traj.policy_version)
+            if meta["group_id"] != gid:  # a group's samples mostly arrive together
+                gid = meta["group_id"]
+                group = self.groups.get(gid)
+                if group is None:
+                    group = self.groups[gid] = Group(gid, meta["batch_index"], meta["group_size"],
+                                                     min_version=traj.policy_version)
+                touched[gid] = group
             group.trajs.append(traj)
-            group.min_version = min(group.min_version, traj.policy_version)
-            touched[group.group_id] = group
-            self.ids.add(traj.id)
+            if traj.policy_version < group.min_version:
+                group.min_version = traj.policy_version
+        self.ids.update(t.id for t in trajs)
         self.counts["stored"] += len(trajs)
         completed = []
         for group in touched.values():

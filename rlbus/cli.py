@@ -63,7 +63,7 @@ def broker(config: ConfigArg = None, set: SetOpt = None,
         sets.append(f"broker.host={host}")
     cfg = _load(config, sets)
     _logging(cfg, "broker", peer="broker")
-    from rlbus.broker.server import run
+    from rlbus.broker.main import run
 
     run(cfg)
 

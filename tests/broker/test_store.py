@@ -143,3 +143,42 @@ def test_payload_checksums_are_zlibs_crc32():
         data = rng.randbytes(size)
         assert segments.crc32(data) == zlib.crc32(data)
         assert segments.crc32(memoryview(data)[1:]) == zlib.crc32(data[1:])
+
+
+def refusal(store: S.Store, *puts: list) -> list[str | None]:
+    """`refuse_join` over the PUTs of one drain, in order (each a list of trajectory metadata)."""
+    adding, sizes, seen = S.Counter(), {}, set()
+    return [store.refuse_join(metas, adding, sizes, seen) for metas in puts]
+
+
+def test_a_group_takes_exactly_its_size_within_and_across_puts_of_one_drain(tmp_path):
+    store = S.Store(tmp_path)
+    metas = [m for m, _ in group("g", size=3)]
+    assert refusal(store, metas[:2], metas[2:]) == [None, None]
+    extra = dict(metas[0], id="g.3")
+    assert "has all its 3 samples" in refusal(store, metas, [extra])[1]
+    assert "has all its 3 samples" in refusal(store, metas + [extra])[0]
+    assert refusal(store, metas + metas) == [None], "a resend within the PUT is a duplicate, not a fourth sample"
+
+
+def test_a_sample_that_disagrees_about_its_groups_size_is_refused(tmp_path):
+    store = S.Store(tmp_path)
+    metas = [m for m, _ in group("g", size=2)]
+    odd = dict(metas[1], group_size=3)
+    assert "has group_size 2, this trajectory says 3" in refusal(store, [metas[0], odd])[0]  # in one PUT
+    assert "has group_size 2" in refusal(store, [metas[0]], [odd])[1]  # in a later PUT of the drain
+    put(store, "h", size=2)
+    assert "has group_size 2" in refusal(store, [dict(metas[0], id="h.9", group_id="h", group_size=3)])[0]
+
+
+def test_no_sample_joins_a_group_that_is_stored_whole_or_being_written(tmp_path):
+    store = S.Store(tmp_path)
+    put(store, "done", size=2)
+    late = dict(group("done", size=2)[0][0], id="done.2")
+    assert "complete already" in refusal(store, [late])[0]
+    assert refusal(store, [m for m, _ in group("done", size=2)]) == [None], "a resend of stored ids"
+    job = store.prepare([group("w", size=2)[:1]])  # one sample of "w" being written
+    assert job is not None
+    metas = [m for m, _ in group("w", size=2)]
+    assert refusal(store, [metas[1]]) == [None]
+    assert "has all its 2 samples" in refusal(store, [dict(metas[1], id="w.7")], [dict(metas[1], id="w.8")])[1]

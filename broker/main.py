@@ -1,0 +1,31 @@
+"""`rlbus broker`: the broker process, from its config to its loop, until SIGTERM or SIGINT.
+
+The process-wide settings live here rather than in the loop's module: signals, the metrics endpoint, and
+the cyclic garbage collector. Every trajectory the broker holds is a few small objects (its header, an
+index entry, a view of its payload), so CPython's default young-generation threshold (700 allocations)
+would run the collector every few trajectories: 15% of the loop's busy time in the throughput benchmark,
+2% with the threshold below (docs/architecture.md, "Measured").
+"""
+
+from __future__ import annotations
+
+import gc
+import signal
+from pathlib import Path
+
+from rlbus.broker.metrics import serve_metrics
+from rlbus.broker.server import Broker
+from rlbus.common.config import RunConfig
+
+GC_YOUNG_THRESHOLD = 50_000  # allocations between young-generation collections (CPython's default: 700)
+
+
+def run(cfg: RunConfig) -> None:
+    Path(cfg.buffer_dir()).mkdir(parents=True, exist_ok=True)
+    broker = Broker(cfg)
+    gc.freeze()  # what start-up built (modules, the index restored from disk) is never scanned again
+    gc.set_threshold(GC_YOUNG_THRESHOLD, 10, 10)
+    serve_metrics(broker)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda *_: broker.stop())
+    broker.serve()
