@@ -21,6 +21,7 @@ GC_YOUNG_THRESHOLD = 50_000  # allocations between young-generation collections 
 
 
 def run(cfg: RunConfig) -> None:
+    """Serve until SIGTERM, SIGINT or SIGHUP."""
     Path(cfg.buffer_dir()).mkdir(parents=True, exist_ok=True)
     broker = Broker(cfg)
     gc.freeze()  # what start-up built (modules, the index restored from disk) is never scanned again
