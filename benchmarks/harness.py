@@ -9,8 +9,11 @@ import subprocess
 import sys
 import time
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Iterator
+
+from rlbus.common.processes import terminate_with
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -26,7 +29,8 @@ def broker_process(sets: list[str], buffer_dir: Path, profile: str = "") -> Iter
     """`rlbus broker` with `--set` overrides, ready when this yields; stopped with SIGTERM after."""
     prefix = ["-m", "cProfile", "-o", profile] if profile else []
     cmd = [sys.executable, *prefix, "-m", "rlbus.cli", "broker"] + [x for s in sets for x in ("--set", s)]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL)
+    # SIGTERM when this benchmark dies, even by SIGKILL: a broker left behind would hold its ports for ever.
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, preexec_fn=partial(terminate_with, os.getpid()))
     try:
         endpoints = Path(buffer_dir) / "endpoints.json"
         while not endpoints.exists():

@@ -59,12 +59,14 @@ import sys
 import tempfile
 import time
 from contextlib import nullcontext
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.harness import REPO, broker_process, free_port  # noqa: E402
 from benchmarks.links import LINK, link, link_mb_s, loopback_mb_s  # noqa: E402
+from rlbus.common.processes import terminate_with  # noqa: E402
 from rlbus.logview import events  # noqa: E402
 
 
@@ -150,8 +152,11 @@ class Fleet:
                   f"logging.file={self.logs / name}.jsonl",
                   *([f"explorer.weights_dir={self.fetch_dir}/{name}"] if self.fetch_dir else []), *self.sets):
             args += ["--set", s]
+        # A group of its own (stop() ends it whole), and SIGTERM when this benchmark dies, even by SIGKILL: an
+        # explorer left behind waits for its broker for ever, holding its engine's memory.
         self.procs.append(subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL,
-                                           stderr=open(self.logs / f"{name}.err", "w"), start_new_session=True))
+                                           stderr=open(self.logs / f"{name}.err", "w"), start_new_session=True,
+                                           preexec_fn=partial(terminate_with, os.getpid())))
 
     def loaded_at(self, name: str, version: int, event: str = "weights_loaded") -> dict | None:
         return next((e for e in events(self.logs / f"{name}.jsonl", event) if e.get("policy_version") == version),
