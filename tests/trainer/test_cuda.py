@@ -1,7 +1,9 @@
 """The trainer on one CUDA GPU: shared-prompt packing under CUDA's attention, and a step equal to the CPU's.
 
-On CUDA the packed layout's custom mask goes through SDPA (on the CPU the trainer switches to eager
-attention), so the packing equality is checked again there. Run on a host with an NVIDIA GPU, no vLLM needed:
+The trainer takes plain (eager) attention on the CPU, and on CUDA when `trainer.deterministic` is on (the
+default), since SDPA's fused CUDA kernels add gradients in no fixed order. The step test therefore compares
+eager with eager; SDPA's CUDA path, which `trainer.deterministic=false` takes, is checked by the packing
+equality. Run on a host with an NVIDIA GPU, no vLLM needed:
 
     .venv/bin/python -m pytest -m gpu tests/trainer/test_cuda.py
 
