@@ -188,7 +188,9 @@ def publish_one(publisher, model, version: int, trainer, fleet: "Fleet", names: 
     announced = time.time()
     trainer.request("PUBLISH", state)
     deadline = time.monotonic() + 180
-    while not all(fleet.loaded_at(n, version) for n in names):
+    # A fetch that overlaps its reload logs `weights_fetched` after `weights_loaded`: wait for both lines.
+    wanted = ("weights_loaded", "weights_fetched") if hide_path else ("weights_loaded",)
+    while not all(fleet.loaded_at(n, version, event) for n in names for event in wanted):
         if time.monotonic() > deadline:
             raise RuntimeError(f"version {version} was not loaded by all of {names}; see {fleet.logs}")
         time.sleep(0.1)  # the explorers' lines carry the time; polling often would take CPU from the weight server
