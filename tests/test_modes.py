@@ -151,13 +151,17 @@ def test_multi_explorer_async_by_broadcast(tiny_model, tmp_path):
 def test_streaming_explorers_swap_in_flight_one_at_a_time(tiny_model, tmp_path):
     """Three streaming explorers, max_swapping 1: versions are swapped in with requests in flight, trajectories
     that spanned a swap are trained, and no two explorers are ever paused for a load at once."""
-    # The explorers, not the trainer, set the pace, so versions arrive while requests are in flight: one
-    # task in flight per explorer, all three on one core and the trainer on the other. (Where the trainer is the
-    # slower side, the explorers wait at the staleness bound, which the trainer's next step opens at the moment
-    # it publishes; they then load each version with nothing in flight, and the run shows no in-flight swap.)
+    # Versions must arrive while requests are in flight, whichever side is faster here. An explorer that reaches
+    # the staleness bound waits with nothing in flight, and the trainer's next step opens the bound at the moment
+    # it publishes: it loads that version idle. With the preset's bound (3) and swap_lag 2, explorers a little
+    # faster than the trainer reach it within a few steps. With a bound of STEPS - 1 they may queue up to seven
+    # steps of data at version 0, so the first swap (version 2, once the trainer has taken 4 groups) finds
+    # requests in flight unless they made about 14 groups meanwhile, over three times the trainer's pace; and
+    # the groups that spanned it are trained by step 7, within the run. Where the explorers are the slower side,
+    # every swap is in flight.
     run_dir, info = run_preset("streaming", tiny_model, tmp_path, "launch.explorers=3", "rollout.max_tokens=128",
                                "explorer.inflight_tasks=1", 'launch.trainer_cpus="0"',
-                               'launch.explorer_cpus=["1", "1", "1"]')
+                               'launch.explorer_cpus=["1", "1", "1"]', f"sync.max_staleness={STEPS - 1}")
     names = explorer_names(run_dir)
     assert len(names) == 3 and all(events(run_dir, n, "explorer_groups") for n in names)
     loads = [(e["ts"] - e["seconds"], e["ts"], name, e["in_flight"]) for name in names
