@@ -47,21 +47,33 @@ def _member(ann: dict, rank: int, device: str, out) -> None:
 needs_a_gpu = pytest.mark.skipif(_gpus() < 1, reason="needs a CUDA GPU and cupy with NCCL (none here)")
 
 
+def _rank_zero(timeout_s: float):
+    """The trainer's side of epoch 1 on cuda:0: two tensors, their layout and filled buckets, and the epoch's
+    store served on a random port: (tensors, layout, buckets, store, port)."""
+    import torch
+
+    from rlbus.weights.broadcast import Layout, epoch_store, serve_store
+
+    torch.cuda.set_device("cuda:0")
+    w = {"a": torch.randn(1024, 1024, device="cuda:0", dtype=torch.bfloat16), "b": torch.randn(333, device="cuda:0")}
+    layout = Layout.plan(list(w.items()), bucket_bytes=1 << 20)
+    buckets = layout.allocate("cuda:0")
+    layout.fill(buckets, w)
+    store, port = serve_store("127.0.0.1", 0, timeout_s)
+    kv, _ = epoch_store(f"127.0.0.1:{port}", 1, timeout_s, store=store)
+    return w, layout, buckets, kv, port
+
+
 @needs_a_gpu
 def test_nccl_communicator_of_one_rank_broadcasts_in_place_and_closes():
     # NCCL refuses two ranks on one GPU, so one GPU checks what cupy's binding is asked for: the unique id
     # through the epoch's store, the communicator, a broadcast polled on the stream, the async-error check.
     import torch
 
-    from rlbus.weights.broadcast import Layout, bucket_digest, epoch_store, make_comm, serve_store
+    from rlbus.weights.broadcast import bucket_digest, make_comm
 
-    w = {"a": torch.randn(1024, 1024, device="cuda:0", dtype=torch.bfloat16), "b": torch.randn(333, device="cuda:0")}
-    layout = Layout.plan(list(w.items()), bucket_bytes=1 << 20)
-    buckets = layout.allocate("cuda:0")
-    layout.fill(buckets, w)
+    w, layout, buckets, kv, _ = _rank_zero(30)
     digest = bucket_digest(buckets)
-    store, port = serve_store("127.0.0.1", 0, 30)
-    kv, _ = epoch_store(f"127.0.0.1:{port}", 1, 30, store=store)
     comm = make_comm("nccl", kv, 0, 1, 30, "127.0.0.1")
     try:
         for bucket in buckets:
@@ -112,19 +124,10 @@ def test_nccl_rank_whose_member_never_comes_gives_up_within_its_timeout():
 
 @needs_two_gpus
 def test_nccl_broadcast_between_two_gpus_checks_the_digest():
-    import torch
-
-    from rlbus.weights.broadcast import Layout, bucket_digest, epoch_store, make_comm, serve_store
+    from rlbus.weights.broadcast import bucket_digest, make_comm
     from tests.helpers.bcast_member import fingerprint
 
-    torch.cuda.set_device("cuda:0")
-    w = {"a": torch.randn(1024, 1024, device="cuda:0", dtype=torch.bfloat16),
-         "b": torch.randn(333, device="cuda:0")}
-    layout = Layout.plan(list(w.items()), bucket_bytes=1 << 20)
-    buckets = layout.allocate("cuda:0")
-    layout.fill(buckets, w)
-    store, port = serve_store("127.0.0.1", 0, 60)
-    kv, _ = epoch_store(f"127.0.0.1:{port}", 1, 60, store=store)
+    w, layout, buckets, kv, port = _rank_zero(60)
     kv.set("layout", layout.to_bytes())
     ann = {"epoch": 1, "backend": "nccl", "address": f"127.0.0.1:{port}", "world": 2, "timeout_s": 60,
            "version": 1, "digest": bucket_digest(buckets)}
