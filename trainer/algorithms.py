@@ -151,7 +151,7 @@ def policy_loss(logp: torch.Tensor, logp_prox: torch.Tensor, logp_behaviour: tor
     if logp_ref is not None and cfg.kl_coef:
         kl = kl_estimate(logp, logp_ref.detach(), cfg.kl_kind)
         per_token = per_token + cfg.kl_coef * kl
-        kl_mean = float((kl * mask).sum() / mask.sum().clamp(min=1))
+        kl_mean = float((kl.detach() * mask).sum() / mask.sum().clamp(min=1))  # a figure, not a graph
     # Tokens the importance mask drops add zero but still count, so a batch split into micro-batches
     # (weighted by their share of response tokens) has the same loss and gradients as the whole.
     loss = aggregate(per_token * mask, response, cfg.aggregation)
