@@ -77,21 +77,22 @@ def link(mbit: float) -> Iterator[str]:
     tag = f"{PREFIX}{os.getpid()}"
     here, there = f"{tag}h", f"{tag}e"
     _clear_the_address()
-    try:
-        for argv in (("ip", "netns", "add", tag), ("ip", "-n", tag, "link", "set", "lo", "up"),
-                     ("ip", "link", "add", here, "type", "veth", "peer", "name", there),
-                     ("ip", "link", "set", there, "netns", tag), ("ip", "addr", "add", f"{LINK[0]}/30", "dev", here),
-                     ("ip", "link", "set", here, "up"), ("ip", "-n", tag, "addr", "add", f"{LINK[1]}/30", "dev", there),
-                     ("ip", "-n", tag, "link", "set", there, "up"),
-                     ("tc", "qdisc", "add", "dev", here, "root", "tbf", "rate", f"{mbit}mbit", "burst", "4mb",
-                      "latency", "100ms")):
-            subprocess.run(argv, check=True, capture_output=True)
-    except (OSError, subprocess.CalledProcessError) as exc:
-        _drop(tag)
-        why = exc.stderr.decode().strip() if isinstance(exc, subprocess.CalledProcessError) else str(exc)
-        raise SystemExit(f"cannot make the link (root and iproute2's ip and tc are needed): {why}") from exc
+    # From before the namespace exists: a SIGTERM while the link is being made takes down what was made so far.
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
+        try:
+            for argv in (("ip", "netns", "add", tag), ("ip", "-n", tag, "link", "set", "lo", "up"),
+                         ("ip", "link", "add", here, "type", "veth", "peer", "name", there),
+                         ("ip", "link", "set", there, "netns", tag),
+                         ("ip", "addr", "add", f"{LINK[0]}/30", "dev", here), ("ip", "link", "set", here, "up"),
+                         ("ip", "-n", tag, "addr", "add", f"{LINK[1]}/30", "dev", there),
+                         ("ip", "-n", tag, "link", "set", there, "up"),
+                         ("tc", "qdisc", "add", "dev", here, "root", "tbf", "rate", f"{mbit}mbit", "burst", "4mb",
+                          "latency", "100ms")):
+                subprocess.run(argv, check=True, capture_output=True)
+        except (OSError, subprocess.CalledProcessError) as exc:
+            why = exc.stderr.decode().strip() if isinstance(exc, subprocess.CalledProcessError) else str(exc)
+            raise SystemExit(f"cannot make the link (root and iproute2's ip and tc are needed): {why}") from exc
         yield tag
     finally:
         signal.signal(signal.SIGTERM, previous)

@@ -189,3 +189,25 @@ def test_a_benchmark_stopped_by_sigterm_takes_its_link_down_and_a_live_ones_link
         code = proc.wait(30)
     assert code == 128 + signal.SIGTERM
     assert tag not in namespaces()
+
+
+# Sends this process SIGTERM as the link is being made, after its namespace exists (as a test's teardown may stop
+# a smoke that has only just started).
+TERM_WHILE_LINKING = ("import os, signal, subprocess, sys; sys.path.insert(0, '.'); from benchmarks.links import link\n"
+                      "real = subprocess.run\n"
+                      "def run(argv, **kw):\n"
+                      "    if tuple(argv[:3]) == ('ip', 'link', 'add'):\n"
+                      "        print(f'rlws{os.getpid()}', flush=True); os.kill(os.getpid(), signal.SIGTERM)\n"
+                      "    return real(argv, **kw)\n"
+                      "subprocess.run = run\n"
+                      "with link(2000):\n    print('linked', flush=True)")
+
+
+@pytest.mark.skipif(bool(LINK_UNAVAILABLE), reason=LINK_UNAVAILABLE or "-")
+def test_a_benchmark_stopped_while_making_its_link_leaves_no_namespace():
+    proc = subprocess.Popen([sys.executable, "-c", TERM_WHILE_LINKING], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    out, _ = proc.communicate(timeout=60)
+    tag = out.split()[0]
+    assert tag.startswith("rlws") and "linked" not in out, out
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert tag not in namespaces()
