@@ -122,7 +122,7 @@ def main() -> None:
     if args.smoke:
         args.seeds = 1
         sets += ["trainer.total_steps=2", "data.eval_size=4", "explorer.eval_every=1", "rollout.max_tokens=8",
-                 "rollout.dtype=float32", "explorer.memory_fraction=0.1", "algorithm.skip_zero_spread=false",
+                 "rollout.dtype=float32", "explorer.kv_cache_mb=256", "algorithm.skip_zero_spread=false",
                  "trainer.checkpoint_every=0"]
     with tempfile.TemporaryDirectory(prefix="rlbus-learning-") as tmp:
         root = Path(args.out or tmp)

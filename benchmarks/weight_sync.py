@@ -28,13 +28,18 @@ Floors, measured in the same run on the same bytes:
 
 From its second fetched version on, an explorer reloads while the fetch
 arrives (`explorer.overlap_fetch`, weights/stream.py), so a fetch can come
-under that floor; `--no-overlap` turns that off, for a baseline.
+under that floor; `--no-overlap` turns that off, for a baseline. An
+explorer's first fetched version is the one it starts a run with: nothing
+fetched before to reload beside or to fall back on, no older copy to write
+over. Before the timed whole versions, each K publishes one such version;
+its time is network_first_from_publish_s, apart from the steady state that
+network_ratio measures.
 
 Last line: one JSON object with, for K = 1, broadcast_sync_s,
 checkpoint_sync_s, network_full_sync_s, network_delta_sync_s (from the start
 of publishing, which for the file methods includes writing the version),
 network_full_from_publish_s and network_delta_from_publish_s (from the
-PUBLISH request),
+PUBLISH request), network_first_from_publish_s,
 bare_broadcast_s, reload_s, memcpy_s, network_floor_s, ratio (broadcast over
 its floor), network_ratio (network_full_from_publish_s over network_floor_s),
 delta_bytes_share (delta bytes over version bytes, median), delta_apply_s,
@@ -147,7 +152,7 @@ class Fleet:
     def add(self, name: str) -> None:
         args = [*self.prefix, sys.executable, "-m", "rlbus.cli", "explorer", "--broker", self.broker, "--name", name]
         for s in (f"broker.pub_port={self.pub_port}", f"model.path={self.model}", f"run.dir={self.logs.parent}",
-                  "explorer.memory_fraction=0.15", "rollout.max_tokens=4", "explorer.tasks_per_lease=1",
+                  "explorer.kv_cache_mb=256", "rollout.max_tokens=4", "explorer.tasks_per_lease=1",
                   "logging.format=json",
                   f"logging.file={self.logs / name}.jsonl",
                   *([f"explorer.weights_dir={self.fetch_dir}/{name}"] if self.fetch_dir else []), *self.sets):
@@ -283,10 +288,15 @@ def run(args, namespace: str | None) -> None:
                     time.sleep(0.2)
                 time.sleep(3)  # let the newcomers load the current version and settle into waiting
                 row: dict = {m: [] for m in publishers} | {"reload": [], "file_reload": [], "share": [],
-                                                           "apply": [], "cpu": [], "overlapped": 0}
+                                                           "apply": [], "cpu": [], "overlapped": 0, "first": []}
                 for method, publisher in publishers.items():
                     network = method.startswith("network")
                     server.manifests.deltas = method == "network_delta"
+                    if method == "network_full":  # each explorer's first fetch, timed apart (see the docstring)
+                        version += 1
+                        row["first"].append(publish_one(publisher, model, version, trainer, fleet, names, args,
+                                                        hide_path=True)[1])
+                        time.sleep(2)
                     for _ in range(args.versions):
                         version += 1
                         cpu = server.cpu_s
@@ -310,6 +320,7 @@ def run(args, namespace: str | None) -> None:
                 version_bytes = sum(f.stat().st_size for f in (root / "served" / f"v{version}").iterdir())
                 fig = {m + "_sync_s": median(row[m]) for m in publishers}
                 fig |= {m + "_from_publish_s": median(row[m + "_from_publish"]) for m in publishers if "network" in m}
+                fig["network_first_from_publish_s"] = median(row["first"])
                 fig |= {"version_bytes": version_bytes,
                         "delta_bytes_share": round(statistics.median(row["share"]), 4) if row["share"] else None,
                         "delta_apply_s": median(row["apply"]), "server_cpu_s": median(row["cpu"]),

@@ -70,7 +70,8 @@ class Engine:
     overlaps_fetch = True
 
     def __init__(self, model: str, *, dtype: str = "bfloat16", seed: int = 0, max_model_len: int = 1024,
-                 memory_fraction: float = 0.3, enforce_eager: bool = True, version: int = 0,
+                 memory_fraction: float = 0.3, kv_cache_mb: int | None = None, enforce_eager: bool = True,
+                 version: int = 0,
                  core: str = "auto", swap_kv: str = "recompute", tensor_parallel: int = 1):
         if swap_kv not in ("recompute", "keep"):
             raise ValueError(f"swap_kv must be recompute or keep, not {swap_kv!r}")
@@ -85,6 +86,7 @@ class Engine:
         with owning_engines():  # its processes end when this one does, even by SIGKILL
             self.llm = LLM(model=model, dtype=dtype, seed=seed, max_model_len=max_model_len,
                            gpu_memory_utilization=memory_fraction, enforce_eager=enforce_eager,
+                           kv_cache_memory_bytes=None if kv_cache_mb is None else kv_cache_mb << 20,
                            tensor_parallel_size=tensor_parallel,
                            logprobs_mode="processed_logprobs",
                            # keep: no request may reuse KV another computed (it could be any versions old)

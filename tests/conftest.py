@@ -184,7 +184,7 @@ def engine(tiny_model):
 
     # Its engine core in a process of its own: that path stays tested (explorer processes here run it inline),
     # and vLLM's CPU thread binding stays out of the test process.
-    eng = Engine(tiny_model, dtype="float32", seed=0, max_model_len=512, memory_fraction=0.1, core="process")
+    eng = Engine(tiny_model, dtype="float32", seed=0, max_model_len=512, kv_cache_mb=64, core="process")
     eng.warm_up()
     yield eng
     eng.close()

@@ -92,7 +92,7 @@ def test_hosts_that_share_no_files_get_every_version_over_the_network(hosts, tin
 
     def explorer(role, name):
         start(role, name, "explorer", "--broker", f"tcp://{at[role][1]}:5555", "--name", name,
-              "--set", "explorer.memory_fraction=0.1")
+              "--set", "explorer.kv_cache_mb=64")
 
     try:
         start("b", "broker", "broker", "--set", "broker.host=0.0.0.0", "--set", "broker.port=5555",

@@ -83,7 +83,7 @@ def async_run(tiny_model, tmp_path_factory):
             f"broker.pub_port={port + 5}", "broker.heartbeat_interval_s=0.5", "rollout.repeat=4",
             "data.batch_tasks=2", f"trainer.total_steps={STEPS}", "trainer.checkpoint_every=2",
             "trainer.keep_checkpoints=3", "trainer.micro_batch=4", "trainer.lr=1e-3", "trainer.fetch_wait_s=1",
-            "rollout.max_tokens=8", "rollout.dtype=float32", "explorer.memory_fraction=0.1",
+            "rollout.max_tokens=8", "rollout.dtype=float32", "explorer.kv_cache_mb=64",
             "explorer.eval_every=3", "data.eval_size=4", "launch.status_interval_s=1", "logging.format=json",
             # a reward the tiny random model scores about 0.5 on: every trained group has a spread, every
             # step changes the weights

@@ -23,7 +23,7 @@ def test_a_tensor_parallel_explorer_receives_the_broadcast_on_both_workers(broke
         pytest.skip("two CPU workers need two cores")
     # vLLM's CPU workers bind their threads to NUMA nodes by default; with one node, to a core each.
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{cpus[0]}|{cpus[1]}")
-    engine = Engine(tiny_model, dtype="float32", seed=0, max_model_len=512, memory_fraction=0.1, core="process",
+    engine = Engine(tiny_model, dtype="float32", seed=0, max_model_len=512, kv_cache_mb=64, core="process",
                     tensor_parallel=2)
     b = broker_factory("sync.sync_style=async", "sync.max_staleness=100", "rollout.repeat=4", "data.batch_tasks=2")
     trainer = clients(b, "trainer", "tr")

@@ -20,3 +20,13 @@ def test_engine_core_placement_is_checked():
     assert inline_core("inline") is True and inline_core("process") is False
     with pytest.raises(ValueError, match="auto, inline or process"):
         inline_core("threads")
+
+
+def test_the_kv_cache_has_the_size_asked_for_whatever_the_host_memory(engine):
+    # The shared engine asks for 64 MiB (explorer.kv_cache_mb), not a share of the host's memory.
+    config = engine.llm.llm_engine.vllm_config
+    hf = config.model_config.hf_config
+    per_token = 2 * hf.num_hidden_layers * hf.num_key_value_heads * (hf.hidden_size // hf.num_attention_heads) * 4
+    tokens = config.cache_config.num_gpu_blocks * config.cache_config.block_size
+    assert tokens * per_token == 64 << 20
+

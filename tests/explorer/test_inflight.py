@@ -201,7 +201,7 @@ def test_keeping_kv_across_a_swap(tiny_model, v1):
 
     with pytest.raises(ValueError, match="recompute or keep"):
         Engine(tiny_model, swap_kv="sometimes")
-    with Engine(tiny_model, dtype="float32", seed=0, max_model_len=512, memory_fraction=0.1, core="process",
+    with Engine(tiny_model, dtype="float32", seed=0, max_model_len=512, kv_cache_mb=64, core="process",
                 swap_kv="keep") as engine:
         assert engine.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching is False
         prompt = long_prompt(engine)
