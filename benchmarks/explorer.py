@@ -64,8 +64,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="rlbus-bench-") as tmp:
         sets = [f"broker.port={port}", f"broker.pub_port={pub}", f"buffer.dir={tmp}", f"run.dir={tmp}",
                 "sync.sync_style=async", "sync.max_staleness=1000", "logging.level=warning"]
+        cfg = load_config(REPO / "configs" / "arith.yaml", [f"broker.address=tcp://127.0.0.1:{port}",
+                                                           f"broker.pub_port={pub}", "sync.sync_style=async",
+                                                           "sync.max_staleness=1000"], environ={})
         with broker_process(sets, Path(tmp)):
-            with Engine(str(model), seed=0) as engine:  # stops its engine core on the way out
+            # The default job's engine; its core stops on the way out.
+            with Engine(str(model), seed=0, kv_cache_mb=cfg.explorer.kv_cache_mb) as engine:
                 engine.warm_up()
                 gen_time = 0.0
                 generate = engine.generate
@@ -79,9 +83,6 @@ def main() -> None:
                         gen_time += time.perf_counter() - t
 
                 engine.generate = timed
-                cfg = load_config(REPO / "configs" / "arith.yaml", [f"broker.address=tcp://127.0.0.1:{port}",
-                                                                   f"broker.pub_port={pub}", "sync.sync_style=async",
-                                                                   "sync.max_staleness=1000"], environ={})
                 trainer = BrokerClient(f"tcp://127.0.0.1:{port}", "trainer", "bench-trainer")
                 trainer.start(30)
                 digest = weights_digest(model)

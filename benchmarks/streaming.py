@@ -64,7 +64,7 @@ MODES = {"multi_explorer_async": ("multi_explorer_async", ()), "streaming": ("st
          "streaming_keep": ("streaming", ("explorer.swap_lag=1",)),
          "streaming_recompute": ("streaming", ("explorer.swap_kv=recompute", "explorer.swap_lag=1"))}
 SETTINGS = ["trainer.checkpoint_every=0", "explorer.eval_every=0", "algorithm.fill_batch=false", "data.batch_tasks=4",
-            "rollout.repeat=8", "explorer.tasks_per_lease=4", "rollout.max_tokens=24",
+            "rollout.repeat=8", "explorer.tasks_per_lease=4", "rollout.max_tokens=24", "explorer.kv_cache_mb=512",
             "algorithm.skip_zero_spread=false", "logging.format=json"]
 
 

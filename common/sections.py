@@ -261,13 +261,10 @@ class ExplorerConfig(Section):
     (weights/stream.py), instead of after the last chunk. Only from a version fetched before, which the engine
     goes back to if the fetch fails. Streaming explorers keep generating during a fetch and never overlap."""
     memory_fraction: float = Field(0.3, gt=0, le=1)
-    """vLLM gpu_memory_utilization; on CPU the share of host memory it reserves (0.3 works, the default 0.9 does not).
-    Left aside when kv_cache_mb is set."""
+    """vLLM gpu_memory_utilization; on CPU the share of host memory it reserves (0.3 works, the default 0.9 does not)."""
     kv_cache_mb: int | None = Field(None, gt=0)
-    """The engine's KV cache in MiB (vLLM kv_cache_memory_bytes), instead of what memory_fraction leaves after the
-    weights. On CPU, memory_fraction is a share of the NUMA node's memory minus what the worker already holds: on a
-    host whose memory is resized at run time (virtio-mem, a balloon) or whose node is small, the same share can
-    leave nothing and the engine refuses to start. A size is the same on every host."""
+    """The KV cache in MiB (vLLM kv_cache_memory_bytes) instead of what memory_fraction leaves: on CPU that is a share
+    of the NUMA node's memory, which a small or resized host (virtio-mem, a balloon) can leave empty."""
     tensor_parallel: int = Field(1, ge=1)
     """vLLM tensor_parallel_size: the engine's workers (one GPU each) that split every layer. A weight broadcast
     reaches each worker, as a rank of its own."""
