@@ -263,8 +263,8 @@ class ExplorerConfig(Section):
     memory_fraction: float = Field(0.3, gt=0, le=1)
     """vLLM gpu_memory_utilization; on CPU the share of host memory it reserves (0.3 works, the default 0.9 does not)."""
     kv_cache_mb: int | None = Field(None, gt=0)
-    """The KV cache in MiB (vLLM kv_cache_memory_bytes) instead of what memory_fraction leaves: on CPU that is a share
-    of the NUMA node's memory, which a small or resized host (virtio-mem, a balloon) can leave empty."""
+    """Each worker's KV cache in MiB (vLLM kv_cache_memory_bytes), instead of what memory_fraction leaves: on CPU a
+    share of the NUMA node's memory, which a small or resized host (virtio-mem, a balloon) can leave empty."""
     tensor_parallel: int = Field(1, ge=1)
     """vLLM tensor_parallel_size: the engine's workers (one GPU each) that split every layer. A weight broadcast
     reaches each worker, as a rank of its own."""
