@@ -71,8 +71,7 @@ class Engine:
 
     def __init__(self, model: str, *, dtype: str = "bfloat16", seed: int = 0, max_model_len: int = 1024,
                  memory_fraction: float = 0.3, kv_cache_mb: int | None = None, enforce_eager: bool = True,
-                 version: int = 0,
-                 core: str = "auto", swap_kv: str = "recompute", tensor_parallel: int = 1):
+                 version: int = 0, core: str = "auto", swap_kv: str = "recompute", tensor_parallel: int = 1):
         if swap_kv not in ("recompute", "keep"):
             raise ValueError(f"swap_kv must be recompute or keep, not {swap_kv!r}")
         started = time.monotonic()

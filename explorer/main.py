@@ -362,8 +362,7 @@ def run(cfg: RunConfig) -> None:
 
     engine = Engine(resolve_model(cfg.model.path, cfg.model.cache_dir), seed=cfg.rollout.seed,
                     memory_fraction=cfg.explorer.memory_fraction, kv_cache_mb=cfg.explorer.kv_cache_mb,
-                    dtype=cfg.rollout.dtype,
-                    core=cfg.explorer.engine_core, swap_kv=cfg.explorer.swap_kv,
+                    dtype=cfg.rollout.dtype, core=cfg.explorer.engine_core, swap_kv=cfg.explorer.swap_kv,
                     tensor_parallel=cfg.explorer.tensor_parallel)
     with engine:
         engine.warm_up()
