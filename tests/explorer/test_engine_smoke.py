@@ -29,4 +29,3 @@ def test_the_kv_cache_has_the_size_asked_for_whatever_the_host_memory(engine):
     per_token = 2 * hf.num_hidden_layers * hf.num_key_value_heads * (hf.hidden_size // hf.num_attention_heads) * 4
     tokens = config.cache_config.num_gpu_blocks * config.cache_config.block_size
     assert tokens * per_token == 64 << 20
-
