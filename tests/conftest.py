@@ -19,6 +19,9 @@ from rlbus.common.client import BrokerClient
 from rlbus.logview import events
 
 REPO = Path(__file__).resolve().parent.parent
+# The KV cache every CPU engine on the tiny model gets (explorer.kv_cache_mb): 65,536 tokens, whatever the
+# host's memory.
+TINY_KV_MB = 64
 
 
 def free_port() -> int:
@@ -184,7 +187,7 @@ def engine(tiny_model):
 
     # Its engine core in a process of its own: that path stays tested (explorer processes here run it inline),
     # and vLLM's CPU thread binding stays out of the test process.
-    eng = Engine(tiny_model, dtype="float32", seed=0, max_model_len=512, kv_cache_mb=64, core="process")
+    eng = Engine(tiny_model, dtype="float32", seed=0, max_model_len=512, kv_cache_mb=TINY_KV_MB, core="process")
     eng.warm_up()
     yield eng
     eng.close()

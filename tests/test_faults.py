@@ -29,7 +29,7 @@ import pytest
 from rlbus.broker.store import Store
 from rlbus.common import protocol as P
 from rlbus.logview import events
-from tests.conftest import REPO
+from tests.conftest import REPO, TINY_KV_MB
 
 STEPS = 16
 STALENESS = 2
@@ -87,7 +87,7 @@ def cli(component: str, run: Path, ports: tuple[int, int], *extra: str) -> list[
             f"sync.max_staleness={STALENESS}", "rollout.repeat=4", "data.batch_tasks=2", f"trainer.total_steps={STEPS}",
             f"trainer.checkpoint_every={CHECKPOINT_EVERY}", "trainer.micro_batch=8", "trainer.fetch_wait_s=0.5",
             "trainer.broker_timeout_s=1", "trainer.threads=1", "rollout.dtype=float32",
-            "explorer.kv_cache_mb=64", "rollout.max_tokens=48", "explorer.tasks_per_lease=2",
+            f"explorer.kv_cache_mb={TINY_KV_MB}", "rollout.max_tokens=48", "explorer.tasks_per_lease=2",
             "explorer.eval_every=0", "algorithm.skip_zero_spread=false", "logging.format=json", *extra]
     return [sys.executable, "-m", "rlbus.cli", component, *[x for s in sets for x in ("--set", s)]]
 

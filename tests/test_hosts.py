@@ -20,7 +20,7 @@ import time
 import pytest
 
 from rlbus.logview import events
-from tests.conftest import REPO
+from tests.conftest import REPO, TINY_KV_MB
 
 ROLES = ("t", "e1", "e2", "e3")  # the broker's host links them all
 
@@ -69,8 +69,9 @@ def test_hosts_that_share_no_files_get_every_version_over_the_network(hosts, tin
     logs = tmp_path / "logs"
     for d in (*homes.values(), logs):
         d.mkdir(parents=True)
+    # Versions three steps apart: explorers take deltas against a version three numbers back.
     common = ["--set", f"model.path={tiny_model}", "--set", "rollout.repeat=4", "--set", "data.batch_tasks=2",
-              "--set", "sync.sync_interval=1", "--set", "sync.sync_offset=1", "--set", "sync.sync_style=async",
+              "--set", "sync.sync_interval=3", "--set", "sync.sync_offset=1", "--set", "sync.sync_style=async",
               "--set", "broker.heartbeat_interval_s=0.5", "--set", "logging.format=json",
               "--set", "rollout.dtype=float32", "--set", "rollout.max_tokens=8",
               # The tiny random model earns no reward: every group is all-equal, and a trainer that skipped them
@@ -92,7 +93,9 @@ def test_hosts_that_share_no_files_get_every_version_over_the_network(hosts, tin
 
     def explorer(role, name):
         start(role, name, "explorer", "--broker", f"tcp://{at[role][1]}:5555", "--name", name,
-              "--set", "explorer.kv_cache_mb=64")
+              "--set", f"explorer.kv_cache_mb={TINY_KV_MB}",
+              # The tiny model's whole version comes quicker than a delta's build: wait for the delta.
+              "--set", "explorer.delta_wait_s=10")
 
     try:
         start("b", "broker", "broker", "--set", "broker.host=0.0.0.0", "--set", "broker.port=5555",

@@ -15,7 +15,7 @@ import pytest
 from rlbus.common.config import load_config
 from rlbus.logview import events as log_events
 from rlbus.timeline import build
-from tests.conftest import REPO, free_port
+from tests.conftest import REPO, TINY_KV_MB, free_port
 
 STEPS = 8
 
@@ -26,7 +26,7 @@ def run_preset(preset: str, tiny_model: str, tmp_path: Path, *extra: str, timeou
             f"broker.pub_port={free_port()}", "broker.heartbeat_interval_s=0.5", "rollout.repeat=4",
             "data.batch_tasks=2", f"trainer.total_steps={STEPS}", "trainer.checkpoint_every=0",
             "trainer.micro_batch=8", "trainer.fetch_wait_s=1", "rollout.max_tokens=8", "rollout.dtype=float32",
-            "explorer.kv_cache_mb=64", "explorer.tasks_per_lease=2", "algorithm.skip_zero_spread=false",
+            f"explorer.kv_cache_mb={TINY_KV_MB}", "explorer.tasks_per_lease=2", "algorithm.skip_zero_spread=false",
             'launch.trainer_cpus=""', "launch.explorer_cpus=[]", "logging.format=json", *extra]
     preset_path = REPO / "configs" / "modes" / f"{preset}.yaml"
     args = [sys.executable, "-m", "rlbus.cli", "up", str(preset_path)] + [x for s in sets for x in ("--set", s)]

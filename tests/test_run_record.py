@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from rlbus.common.config import load_config
 from rlbus.logview import events
 from rlbus.report import FIGURES
-from tests.conftest import REPO, free_port
+from tests.conftest import REPO, TINY_KV_MB, free_port
 
 STEPS = 6  # fewer, and the second explorer may start too late to contribute a batch
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -83,7 +83,7 @@ def async_run(tiny_model, tmp_path_factory):
             f"broker.pub_port={port + 5}", "broker.heartbeat_interval_s=0.5", "rollout.repeat=4",
             "data.batch_tasks=2", f"trainer.total_steps={STEPS}", "trainer.checkpoint_every=2",
             "trainer.keep_checkpoints=3", "trainer.micro_batch=4", "trainer.lr=1e-3", "trainer.fetch_wait_s=1",
-            "rollout.max_tokens=8", "rollout.dtype=float32", "explorer.kv_cache_mb=64",
+            "rollout.max_tokens=8", "rollout.dtype=float32", f"explorer.kv_cache_mb={TINY_KV_MB}",
             "explorer.eval_every=3", "data.eval_size=4", "launch.status_interval_s=1", "logging.format=json",
             # a reward the tiny random model scores about 0.5 on: every trained group has a spread, every
             # step changes the weights

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from rlbus.logview import events as log_events, events_in_text
-from tests.conftest import REPO, free_port
+from tests.conftest import REPO, TINY_KV_MB, free_port
 
 
 def test_up_runs_broker_a_two_rank_trainer_and_explorer_to_the_end(tiny_model, tmp_path):
@@ -20,7 +20,7 @@ def test_up_runs_broker_a_two_rank_trainer_and_explorer_to_the_end(tiny_model, t
             "data.batch_tasks=2", "sync.sync_style=lockstep", "sync.sync_interval=1", "sync.sync_offset=1",
             "trainer.total_steps=3", "trainer.checkpoint_every=2", "trainer.micro_batch=4", "trainer.lr=1e-4",
             "trainer.fetch_wait_s=1", "rollout.max_tokens=8", "rollout.dtype=float32",
-            "explorer.kv_cache_mb=64", "launch.explorers=1", "launch.status_interval_s=1",
+            f"explorer.kv_cache_mb={TINY_KV_MB}", "launch.explorers=1", "launch.status_interval_s=1",
             "logging.format=json", "algorithm.skip_zero_spread=false", "explorer.eval_every=2",
             "data.eval_size=6", "trainer.world_size=2"]
     args = [sys.executable, "-m", "rlbus.cli", "up"] + [x for s in sets for x in ("--set", s)]
@@ -143,7 +143,7 @@ def test_closing_the_terminal_stops_the_run_and_leaves_no_process(tiny_model, tm
     sets = [f"run.dir={run_dir}", f"model.path={tiny_model}", f"broker.port={free_port()}",
             f"broker.pub_port={free_port()}", "broker.heartbeat_interval_s=0.2", "rollout.repeat=4",
             "data.batch_tasks=2", "trainer.total_steps=100000", "trainer.micro_batch=4", "trainer.fetch_wait_s=1",
-            "rollout.max_tokens=8", "rollout.dtype=float32", "explorer.kv_cache_mb=64",
+            "rollout.max_tokens=8", "rollout.dtype=float32", f"explorer.kv_cache_mb={TINY_KV_MB}",
             "launch.explorers=1", "launch.status_interval_s=1", "logging.format=json", "explorer.eval_every=0",
             "algorithm.skip_zero_spread=false"]
     args = [sys.executable, "-m", "rlbus.cli", "up"] + [x for s in sets for x in ("--set", s)]

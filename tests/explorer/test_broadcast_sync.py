@@ -18,7 +18,7 @@ from rlbus.weights.digest import weights_digest
 from rlbus.weights.sync import load_checkpoint
 from rlbus.explorer.main import Explorer
 from rlbus.logview import events
-from tests.conftest import REPO
+from tests.conftest import REPO, TINY_KV_MB
 from tests.explorer.test_explorer import explorer_config
 
 
@@ -94,7 +94,7 @@ def test_mixed_fleet_late_joiner_gets_the_checkpoint_then_the_broadcast(broker_f
     log_file = tmp_path / "files.jsonl"
     args = [sys.executable, "-m", "rlbus.cli", "explorer", "--broker", b.address, "--name", "files"]
     for s in (f"broker.pub_port={b.pub_port}", "broker.heartbeat_interval_s=0.2", f"model.path={tiny_model}",
-              "rollout.dtype=float32", "explorer.kv_cache_mb=64", "rollout.max_tokens=8",
+              "rollout.dtype=float32", f"explorer.kv_cache_mb={TINY_KV_MB}", "rollout.max_tokens=8",
               "explorer.tasks_per_lease=2", "explorer.receive=checkpoint", "logging.format=json",
               f"logging.file={log_file}"):
         args += ["--set", s]

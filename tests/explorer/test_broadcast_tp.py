@@ -8,6 +8,7 @@ import threading
 
 import pytest
 
+from tests.conftest import TINY_KV_MB
 from tests.explorer.test_broadcast_sync import assert_generates_like, peers, publisher, tiny_weights, wait_for
 from tests.explorer.test_explorer import explorer_config
 
@@ -23,7 +24,7 @@ def test_a_tensor_parallel_explorer_receives_the_broadcast_on_both_workers(broke
         pytest.skip("two CPU workers need two cores")
     # vLLM's CPU workers bind their threads to NUMA nodes by default; with one node, to a core each.
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{cpus[0]}|{cpus[1]}")
-    engine = Engine(tiny_model, dtype="float32", seed=0, max_model_len=512, kv_cache_mb=64, core="process",
+    engine = Engine(tiny_model, dtype="float32", seed=0, max_model_len=512, kv_cache_mb=TINY_KV_MB, core="process",
                     tensor_parallel=2)
     b = broker_factory("sync.sync_style=async", "sync.max_staleness=100", "rollout.repeat=4", "data.batch_tasks=2")
     trainer = clients(b, "trainer", "tr")

@@ -5,6 +5,7 @@ import math
 import pytest
 
 from rlbus.explorer.engine import inline_core
+from tests.conftest import TINY_KV_MB
 
 
 def test_generate_shapes_and_logprobs(engine):
@@ -23,9 +24,9 @@ def test_engine_core_placement_is_checked():
 
 
 def test_the_kv_cache_has_the_size_asked_for_whatever_the_host_memory(engine):
-    # The shared engine asks for 64 MiB (explorer.kv_cache_mb), not a share of the host's memory.
+    # The shared engine asks for TINY_KV_MB (explorer.kv_cache_mb), not a share of the host's memory.
     config = engine.llm.llm_engine.vllm_config
     hf = config.model_config.hf_config
     per_token = 2 * hf.num_hidden_layers * hf.num_key_value_heads * (hf.hidden_size // hf.num_attention_heads) * 4
     tokens = config.cache_config.num_gpu_blocks * config.cache_config.block_size
-    assert tokens * per_token == 64 << 20
+    assert tokens * per_token == TINY_KV_MB << 20

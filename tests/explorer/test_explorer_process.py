@@ -14,7 +14,7 @@ from rlbus.common import protocol as P
 from rlbus.explorer.engine import inline_core
 from rlbus.explorer.main import Explorer
 from rlbus.logview import events
-from tests.conftest import REPO
+from tests.conftest import REPO, TINY_KV_MB
 from tests.explorer.test_explorer import explorer_config
 
 
@@ -24,7 +24,7 @@ def test_explorer_killed_mid_batch_has_its_leases_reissued(broker_factory, clien
     tool = clients(b, "tool", "watch")
     args = [sys.executable, "-m", "rlbus.cli", "explorer", "--broker", b.address, "--name", "victim"]
     for s in (f"broker.pub_port={b.pub_port}", "broker.heartbeat_interval_s=0.2", f"model.path={tiny_model}",
-              "rollout.dtype=float32", "explorer.kv_cache_mb=64", "rollout.max_tokens=400",
+              "rollout.dtype=float32", f"explorer.kv_cache_mb={TINY_KV_MB}", "rollout.max_tokens=400",
               "explorer.tasks_per_lease=2", "logging.format=json"):
         args += ["--set", s]
     # Its own session, so the kill takes its vLLM engine processes too, as a dying host would.
@@ -65,7 +65,8 @@ def _start_explorer(b, name: str, tmp_path, *sets: str) -> subprocess.Popen:
     """A standalone `rlbus explorer` in a session of its own, logging JSON to tmp_path/NAME.jsonl."""
     args = [sys.executable, "-m", "rlbus.cli", "explorer", "--broker", b.address, "--name", name]
     for s in (f"broker.pub_port={b.pub_port}", "broker.heartbeat_interval_s=0.2", "rollout.dtype=float32",
-              "explorer.kv_cache_mb=64", "rollout.max_tokens=200", "explorer.tasks_per_lease=2", "logging.format=json", f"logging.file={tmp_path}/{name}.jsonl", *sets):
+              f"explorer.kv_cache_mb={TINY_KV_MB}", "rollout.max_tokens=200", "explorer.tasks_per_lease=2",
+              "logging.format=json", f"logging.file={tmp_path}/{name}.jsonl", *sets):
         args += ["--set", s]
     return subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"{name}.err", "w"),
                             start_new_session=True)

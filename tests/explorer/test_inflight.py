@@ -12,6 +12,7 @@ import pytest
 
 from rlbus.weights.digest import weights_digest
 from rlbus.weights.sync import checkpoint_source, load_checkpoint
+from tests.conftest import TINY_KV_MB
 from tests.explorer.test_explorer import explorer_config, fetch_all, publish
 
 TOLERANCE = 2e-3  # float32, as the explorer's other logprob checks
@@ -201,7 +202,7 @@ def test_keeping_kv_across_a_swap(tiny_model, v1):
 
     with pytest.raises(ValueError, match="recompute or keep"):
         Engine(tiny_model, swap_kv="sometimes")
-    with Engine(tiny_model, dtype="float32", seed=0, max_model_len=512, kv_cache_mb=64, core="process",
+    with Engine(tiny_model, dtype="float32", seed=0, max_model_len=512, kv_cache_mb=TINY_KV_MB, core="process",
                 swap_kv="keep") as engine:
         assert engine.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching is False
         prompt = long_prompt(engine)

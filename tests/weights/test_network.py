@@ -442,6 +442,31 @@ def test_the_trainer_announces_its_weight_server_and_what_it_publishes_can_be_fe
     assert off.server is None and "fetch_from" not in off.publish(off.snapshot(model), 1, 0)
 
 
+def test_a_trainer_that_publishes_every_third_step_keeps_the_bases_explorers_hold(tiny_model, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from rlbus.common.config import load_config
+    from rlbus.weights.checkpoint import version_dirs
+    from rlbus.weights.sync import make_sender
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    (tmp_path / "weights" / "v20").mkdir(parents=True)  # a version of the run before a restart
+    sender = make_sender(load_config(None, ["rollout.dtype=float32"], environ={}), tmp_path / "weights", tiny_model)
+    try:
+        held = None
+        for version in (3, 6, 9, 12):  # sync_interval 3: versions are step numbers
+            with torch.no_grad():
+                next(model.parameters()).add_(0.01)
+            state = sender.publish(sender.snapshot(model), version, version - 1)
+            got = fetch_version(state["fetch_from"], version, state["digest"], tmp_path / "explorer", held,
+                                delta_wait_s=30)
+            assert got.base == (held.version if held else None), (version, got)  # never the whole again
+            held = Base(version, got.path, state["digest"])
+        assert [v for v, _ in version_dirs(tmp_path / "weights")] == [6, 9, 12, 20]
+    finally:
+        sender.close()
+
+
 def test_a_restarted_explorer_takes_deltas_against_the_version_it_fetched_before(served, tmp_path):
     from rlbus.weights.sync import Receiver
 
