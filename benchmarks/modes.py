@@ -137,15 +137,18 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--keep", action="store_true", help="keep the run directories (printed)")
-    parser.add_argument("--smoke", action="store_true", help="2 steps of the synchronous mode: checks that it runs")
+    parser.add_argument("--smoke", action="store_true",
+                        help="2 steps of one prompt in the synchronous mode: checks that it runs")
     args = parser.parse_args()
+    smaller = ()
     if args.smoke:
         args.modes, args.steps, args.warmup = "synchronous", 2, 0
+        smaller = ("data.batch_tasks=1", "explorer.tasks_per_lease=1")
     steps = args.steps or (6 if args.quick else 20)
     root = Path(tempfile.mkdtemp(prefix="rlbus-modes-"))
     results = {}
     for mode in args.modes.split(","):
-        results[mode] = measure(run_mode(mode, steps, args.model, root), args.warmup)
+        results[mode] = measure(run_mode(mode, steps, args.model, root, smaller), args.warmup)
         print(f"{mode}: {json.dumps(results[mode])}", flush=True)
     summary: dict = {"modes": results}
     sync = results.get("synchronous")

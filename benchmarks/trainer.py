@@ -66,6 +66,7 @@ from benchmarks.harness import broker_process, free_port  # noqa: E402
 
 
 SYSTEM_TOKENS, QUESTION_TOKENS = 30, 14  # the default task's prompt: chat template's system prompt + question
+GROUPS = 4  # prompts (of 8 samples) per step, as in the default task; the smoke trains 1
 
 
 def fill(port: int, steps: int) -> None:
@@ -79,13 +80,13 @@ def fill(port: int, steps: int) -> None:
     system = rng.integers(0, 49152, SYSTEM_TOKENS).astype(np.int32)
     feeder = BrokerClient(f"tcp://127.0.0.1:{port}", "explorer", "feeder")
     feeder.start(30)
-    for g in range(4 * steps):
+    for g in range(GROUPS * steps):
         prompt = np.concatenate([system, rng.integers(0, 49152, QUESTION_TOKENS).astype(np.int32)])
         items = []
         for i in range(8):
             n = int(rng.integers(8, 25))
             meta = {"id": f"g{g}.{i}", "group_id": f"g{g}", "task_id": f"g{g}", "group_size": 8,
-                    "batch_index": g // 4, "policy_version": 0, "reward": float(i % 3 == 0), "n_tokens": n}
+                    "batch_index": g // GROUPS, "policy_version": 0, "reward": float(i % 3 == 0), "n_tokens": n}
             items.append((meta, encode_payload({
                 "prompt_ids": prompt, "response_ids": rng.integers(0, 49152, n).astype(np.int32),
                 "logprobs": np.full(n, -2.0, dtype=np.float32), "loss_mask": np.ones(n, dtype=np.uint8)})))
@@ -145,7 +146,7 @@ def run_variant(model: str, steps: int, shared_prompt: bool, micro_batch: int, w
     trainer_cores, other_cores = set(cores[:len(cores) // 2]), set(cores[len(cores) // 2:])
     with tempfile.TemporaryDirectory(prefix="rlbus-bench-") as tmp:
         sets = [f"broker.port={port}", f"broker.pub_port={pub}", f"buffer.dir={tmp}/buffer", f"run.dir={tmp}",
-                "sync.sync_style=async", "sync.max_staleness=1000", "rollout.repeat=8", "data.batch_tasks=4",
+                "sync.sync_style=async", "sync.max_staleness=1000", "rollout.repeat=8", f"data.batch_tasks={GROUPS}",
                 "logging.level=warning"]
         pinned = fetched is not None
         if pinned:
@@ -279,10 +280,12 @@ def main() -> None:
                     help="--serve: alternations of the runs without and with clients (default 2)")
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                     help="a config override for every trainer run (e.g. trainer.device=cuda)")
-    ap.add_argument("--smoke", action="store_true", help="one timed step: checks that the benchmark runs")
+    ap.add_argument("--smoke", action="store_true",
+                    help="one timed step of one prompt: checks that the benchmark runs")
     args = ap.parse_args()
+    global GROUPS
     if args.smoke:
-        args.steps = 1
+        args.steps, GROUPS = 1, 1
     if args.world_size == 1 or args.world_size < 0:
         ap.error("--world-size: 2 or more (world size 1 is always run beside it)")
     if args.serve_rounds < 1:
