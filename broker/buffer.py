@@ -146,7 +146,7 @@ class Buffer:
                 continue
             completed = self.store.finish(job)
             for group in completed:
-                self.tasks.complete(group.group_id)
+                self.tasks.complete(group.group_id, informative=not group.zero_spread)
             any_completed |= bool(completed)
             self._ack(job.acks, job.stored_by, job.received)
         if self.blocked:

@@ -36,6 +36,10 @@ CREATE TABLE IF NOT EXISTS retired (rowid INTEGER PRIMARY KEY, state INTEGER NOT
 CREATE TABLE IF NOT EXISTS tasks (
     seq INTEGER PRIMARY KEY, lease_id TEXT, holder TEXT, expires REAL, attempt INTEGER NOT NULL,
     done INTEGER NOT NULL DEFAULT 0);
+-- Tasks to issue again (data.revisit), in queue order: the task, how often it was issued before, the first
+-- batch that may take it, and the seq it was issued as (NULL while it waits).
+CREATE TABLE IF NOT EXISTS revisits (
+    rowid INTEGER PRIMARY KEY, task BLOB NOT NULL, times INTEGER NOT NULL, ready INTEGER NOT NULL, seq INTEGER);
 """
 
 
@@ -152,14 +156,29 @@ class Catalog:
                 "SELECT seq, lease_id, holder, expires, attempt, done FROM tasks ORDER BY seq"):
             yield seq, lid, holder, expires, attempt, bool(done)
 
-    def lease(self, rows: list[tuple[int, str, str, float, int]]) -> None:
-        """Record leases: (seq, lease id, holder, expires, attempt)."""
+    def lease(self, rows: list[tuple[int, str, str, float, int]], revisits: list[tuple[int, int]] = ()) -> None:
+        """Record leases: (seq, lease id, holder, expires, attempt); and (revisit row, seq) for each waiting
+        revisit issued as a new seq."""
         with self.transaction():
             self.db.executemany("INSERT OR REPLACE INTO tasks(seq, lease_id, holder, expires, attempt, done) "
                                 "VALUES (?, ?, ?, ?, ?, 0)", rows)
+            self.db.executemany("UPDATE revisits SET seq=? WHERE rowid=?", [(q, r) for r, q in revisits])
 
-    def task_done(self, seq: int) -> None:
-        self.db.execute("UPDATE tasks SET done=1, lease_id=NULL, holder=NULL WHERE seq=?", (seq,))
+    def task_done(self, seq: int, revisit: tuple[dict[str, Any], int, int] | None = None) -> int | None:
+        """Task `seq` has its group; `revisit`: (task, times issued, first batch) to queue it again (its row)."""
+        with self.transaction():
+            self.db.execute("UPDATE tasks SET done=1, lease_id=NULL, holder=NULL WHERE seq=?", (seq,))
+            if revisit is not None:
+                task, times, ready = revisit
+                return self.db.execute("INSERT INTO revisits(task, times, ready) VALUES (?, ?, ?)",
+                                       (pack(task), times, ready)).lastrowid
+        return None
+
+    def revisits(self) -> Iterator[tuple[int, dict[str, Any], int, int, int | None]]:
+        """(row, task, times, ready, seq) of every revisit, queued or issued, in queue order."""
+        for row, task, times, ready, seq in self.db.execute(
+                "SELECT rowid, task, times, ready, seq FROM revisits ORDER BY rowid"):
+            yield row, unpack(task), times, ready, seq
 
     def release(self, seqs: list[int]) -> None:
         with self.transaction():

@@ -59,7 +59,7 @@ class Broker:
         self.store.set_meta("started_at", self.started_at)
         self.peers = Peers()
         self.tasks = TaskQueue(self.store.catalog, make_taskset(cfg.data), cfg.data.batch_tasks,
-                               bcfg.lease_timeout_s)
+                               bcfg.lease_timeout_s, cfg.data.revisit, cfg.data.revisit_times)
         self.buffer = Buffer(cfg, self.store, self.tasks, self.peers, self, self.ctx)
         self.rewards = RewardRouter(self.peers, self.send, cfg.reward.eval_timeout_s, cfg.reward.eval_attempts)
         self.swaps = SwapSlots(cfg.sync.max_swapping, cfg.sync.swap_timeout_s)
@@ -352,7 +352,8 @@ class Broker:
             "buffer": {"depth": self.store.depth, "capacity": self.cfg.buffer.capacity,
                        "ready_groups": len(self.store.ready), "stored": c["stored"], "committed": c["committed"],
                        "expired": c["expired"], "skipped": c["skipped"]},
-            "tasks": {"issued": self.tasks.next_seq, "leased": len(self.tasks.leases), "done": len(self.tasks.done)},
+            "tasks": {"issued": self.tasks.next_seq, "leased": len(self.tasks.leases), "done": len(self.tasks.done),
+                      "revisits": len(self.tasks.waiting)},
             "swapping": sorted(self.swaps.holders),
         }
 

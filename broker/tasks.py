@@ -7,15 +7,24 @@ its task to the queue, and the next LEASE gets it again (lowest seq first, so
 an old batch is finished before a new one starts). A task is done when a
 group answering any of its leases is stored.
 
+Revisits (`data.revisit`, a share of each batch): a task whose group was
+informative (its rewards differed: the policy solves it sometimes) is
+queued to be issued again, as a new seq in a later batch (not the next one),
+up to `data.revisit_times` times; the last slots of each batch take queued
+tasks first, oldest first. Every other seq takes the taskset's next task, so
+the taskset is read in order whatever the revisits, and the run's tasks end
+with the taskset's (revisits still waiting then are not issued).
+
 Leases live in the broker's catalogue (`catalog.py`), so a restarted broker knows which
 tasks were issued, which are done and which are still out.
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import re
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -69,11 +78,24 @@ def seq_of(lease: str) -> int | None:
 
 
 class TaskQueue:
-    def __init__(self, catalog: Catalog, taskset: Taskset, batch_tasks: int, lease_s: float):
+    def __init__(self, catalog: Catalog, taskset: Taskset, batch_tasks: int, lease_s: float,
+                 revisit: float = 0.0, revisit_times: int = 1):
         self.catalog = catalog
         self.taskset = taskset
         self.batch_tasks = batch_tasks
         self.lease_s = lease_s
+        self.revisit_slots = round(revisit * batch_tasks)  # the last slots of each batch
+        self.revisit_times = revisit_times
+        self.waiting: deque[tuple[int, dict[str, Any], int, int]] = deque()  # (row, task, times, ready batch)
+        self.revisited: dict[int, tuple[dict[str, Any], int]] = {}  # seq -> (task, times issued before)
+        self.revisit_seqs: list[int] = []  # sorted: the seqs that are revisits (the rest read the taskset)
+        for row, task, times, ready, seq in self.catalog.revisits():
+            if seq is None:
+                self.waiting.append((row, task, times, ready))
+            else:
+                self.revisited[seq] = (task, times)
+                self.revisit_seqs.append(seq)
+        self.revisit_seqs.sort()
         self.leases: dict[str, Lease] = {}
         self.free: list[int] = []  # heap of seqs issued before whose lease lapsed
         self.attempts: dict[int, int] = {}
@@ -93,7 +115,26 @@ class TaskQueue:
     @property
     def exhausted(self) -> bool:
         size = len(self.taskset)
-        return bool(size) and self.next_seq >= size and not self.free
+        return bool(size) and self._fresh(self.next_seq) >= size and not self.free
+
+    def _fresh(self, seq: int) -> int:
+        """The taskset index of seq (of the first fresh seq from `seq` on): seqs before it that were fresh."""
+        return seq - bisect.bisect_left(self.revisit_seqs, seq)
+
+    def task(self, seq: int) -> tuple[dict[str, Any], int]:
+        """The task issued as `seq`, and how many times it was issued before."""
+        return self.revisited.get(seq) or (self.taskset.task(self._fresh(seq)), 0)
+
+    def _take_revisit(self, seq: int) -> int | None:
+        """Make the new `seq` a waiting revisit when its slot takes one and one is ready: its row, else None."""
+        batch = self.batch_of(seq)
+        if seq % self.batch_tasks < self.batch_tasks - self.revisit_slots or not self.waiting \
+                or self.waiting[0][3] > batch:
+            return None
+        row, task, times, _ = self.waiting.popleft()
+        self.revisited[seq] = (task, times)
+        self.revisit_seqs.append(seq)  # the newest seq: the list stays sorted
+        return row
 
     def batch_of(self, seq: int) -> int:
         return seq // self.batch_tasks
@@ -108,16 +149,15 @@ class TaskQueue:
 
     def batch_resolved(self, batch_index: int) -> bool:
         """Every task of the batch has a stored group (or lies past the end of the taskset)."""
-        size = len(self.taskset)
         first = batch_index * self.batch_tasks
-        last = first + self.batch_tasks if not size else min(first + self.batch_tasks, size)
+        last = min(first + self.batch_tasks, self.next_seq) if self.exhausted else first + self.batch_tasks
         return self.done_per_batch[batch_index] >= max(0, last - first)
 
     def lease(self, holder: str, max_tasks: int, now: float,
               admit: Callable[[int], bool]) -> list[tuple[Lease, dict[str, Any]]]:
         """Lease up to `max_tasks` tasks, in seq order, while `admit(batch_index)` allows."""
         out: list[tuple[Lease, dict[str, Any]]] = []
-        rows = []
+        rows, revisits = [], []
         while len(out) < max_tasks:
             batch = self.next_batch()
             if batch is None or not admit(batch):
@@ -127,18 +167,22 @@ class TaskQueue:
             else:
                 seq = self.next_seq
                 self.next_seq += 1
+                row = self._take_revisit(seq)
+                if row is not None:
+                    revisits.append((row, seq))
             attempt = self.attempts.get(seq, -1) + 1
             self.attempts[seq] = attempt
             lease = Lease(lease_id(seq, attempt), seq, holder, now + self.lease_s)
             self.leases[lease.lease_id] = lease
             rows.append((seq, lease.lease_id, holder, lease.expires, attempt))
-            out.append((lease, self.taskset.task(seq)))
+            out.append((lease, self.task(seq)[0]))
         if rows:
-            self.catalog.lease(rows)
+            self.catalog.lease(rows, revisits)
         return out
 
-    def complete(self, group_id: str) -> None:
-        """A group answering lease `group_id` is stored: its task is done."""
+    def complete(self, group_id: str, informative: bool = False) -> None:
+        """A group answering lease `group_id` is stored: its task is done (and queued again, if `informative`
+        and revisits are on)."""
         seq = seq_of(group_id)
         if seq is None or seq in self.done or seq >= self.next_seq:
             return
@@ -147,7 +191,14 @@ class TaskQueue:
         if seq in self.free:
             self.free.remove(seq)
             heapq.heapify(self.free)
-        self.catalog.task_done(seq)
+        revisit = None
+        if informative and self.revisit_slots:
+            task, times = self.task(seq)
+            if times < self.revisit_times:
+                revisit = (task, times + 1, self.batch_of(seq) + 2)
+        row = self.catalog.task_done(seq, revisit)
+        if revisit is not None:
+            self.waiting.append((row, *revisit))
         self._mark_done(seq)
 
     def _mark_done(self, seq: int) -> None:
