@@ -55,7 +55,7 @@ def run_mode(mode: str, steps: int, model: str, root: Path, extra: tuple[str, ..
             "explorer.eval_every=0", "algorithm.fill_batch=false", "data.batch_tasks=4", "rollout.repeat=8",
             "explorer.tasks_per_lease=4", "rollout.max_tokens=24", "trainer.lr=5e-6", "trainer.micro_batch=8",
             "explorer.kv_cache_mb=512",
-            "algorithm.skip_zero_spread=false", "trainer.autocast=bfloat16", "trainer.threads=1",
+            "algorithm.skip_zero_spread=false", "trainer.autocast=auto", "trainer.threads=1",
             "logging.format=json", "launch.status_interval_s=30", *extra]
     cmd = [sys.executable, "-m", "rlbus.cli", "up", str(REPO / "configs" / "modes" / f"{mode}.yaml")]
     cmd += [x for s in sets for x in ("--set", s)]

@@ -4,9 +4,9 @@ A real broker process holds a full buffer of trajectories shaped like the
 default task's (4 prompts x 8 samples per step; each prompt a 30-token
 system prompt common to all and a 14-token question shared by its group;
 8-24 response tokens); an in-process trainer on SmolLM2-135M-Instruct
-(bfloat16 autocast, CPU) runs `--steps` steps, publishing weights every step
-(sync_interval 1, the most publishing any mode does) and committing every
-step. It runs twice, on a fresh broker each time: one row per sample
+(`trainer.autocast=auto`: bfloat16 where the CPU computes in it) runs
+`--steps` steps, publishing weights every step (sync_interval 1, the most
+publishing any mode does) and committing every step. It runs twice, on a fresh broker each time: one row per sample
 (micro-batches of 8, the baseline) and shared-prompt packing (the whole
 batch as one packed sequence). Time outside compute = waiting for the batch +
 publishing (the weight snapshot; writing happens on the publishing thread) +
@@ -194,7 +194,7 @@ def train(model: str, steps: int, shared_prompt: bool, micro_batch: int, world: 
 
     trainer_sets = sets + [f"broker.address=tcp://127.0.0.1:{port}", "trainer.checkpoint_every=0",
                            f"trainer.total_steps={steps + 1}", f"trainer.micro_batch={micro_batch}",
-                           f"trainer.shared_prompt={shared_prompt}", "trainer.autocast=bfloat16",
+                           f"trainer.shared_prompt={shared_prompt}", "trainer.autocast=auto",
                            "sync.sync_interval=1", f"model.path={model}", *extra]
     if not world:
         from rlbus.trainer.main import Trainer

@@ -340,9 +340,9 @@ class TrainerConfig(Section):
     torch version and thread count (recorded in RUN_DIR/trainer.json). Costs some speed on GPUs."""
     gradient_checkpointing: bool = False
     """Trade compute for memory."""
-    autocast: Literal["off", "bfloat16", "float16"] = "off"
-    """Mixed precision for forward and backward, master weights in model.dtype (bfloat16: ~1.7x faster on
-    CPUs with AVX512-BF16 or AMX)."""
+    autocast: Literal["off", "bfloat16", "float16", "auto"] = "off"
+    """Mixed precision for forward and backward, master weights in model.dtype (bfloat16: ~1.7x faster on CPUs
+    with AVX512-BF16 or AMX, ~25x slower on CPUs without); auto: bfloat16 where the device computes in it."""
     fetch_wait_s: float = Field(5.0, gt=0)
     """How long one FETCH waits at the broker for enough groups before asking again."""
     broker_timeout_s: float = Field(30.0, gt=0)

@@ -103,7 +103,9 @@ def replay(run_dir: str | Path, buffer_dir: str | Path | None = None, out_dir: s
     t = cfg.trainer
     cfg = cfg.model_copy(update={
         "run": cfg.run.model_copy(update={"dir": str(out)}),
-        "trainer": t.model_copy(update={"threads": record["threads"], "checkpoint_every": 0, "world_size": 1}),
+        # autocast as the run resolved it (auto depends on the machine).
+        "trainer": t.model_copy(update={"threads": record["threads"], "checkpoint_every": 0, "world_size": 1,
+                                        "autocast": record.get("autocast", t.autocast)}),
     })
     run_versions = dict(version_dirs(run_dir / "weights"))
     run_checkpoints = {int(p.name.split("_")[1]): p for p in (run_dir / "checkpoints").glob("step_*")

@@ -24,7 +24,7 @@ from rlbus.trainer import checkpoint, distributed
 from rlbus.trainer.algorithms import LossConfig, lr_factor, policy_loss
 from rlbus.trainer.batch import Batch, build_batch, decode_batch
 from rlbus.trainer.distributed import Policy, World
-from rlbus.trainer.model import DTYPES, load_model, seed_everything, token_logprobs
+from rlbus.trainer.model import autocast_dtype, load_model, seed_everything, token_logprobs
 from rlbus.trainer.packing import packed_token_logprobs, pack, packs
 
 log = structlog.get_logger()
@@ -41,6 +41,10 @@ class Learner:
         self.main = world is None or world.main
         t, a = cfg.trainer, cfg.algorithm
         self.device = world.device if world else torch.device(t.device)
+        self.autocast = autocast_dtype(t.autocast, self.device)
+        if t.autocast == "auto" and self.main:
+            log.info("trainer_autocast", device=str(self.device), dtype=str(self.autocast).removeprefix("torch.")
+                     if self.autocast else "off")
         if t.threads:
             torch.set_num_threads(t.threads)
         elif world and self.device.type == "cpu":  # the cores this process may use, shared among the host's ranks
@@ -98,9 +102,7 @@ class Learner:
 
     def _autocast(self):
         """Mixed precision for the forward pass (weights and optimizer stay in `model.dtype`)."""
-        t = self.cfg.trainer
-        return torch.autocast(self.device.type, dtype=DTYPES.get(t.autocast, torch.bfloat16),
-                              enabled=t.autocast != "off")
+        return torch.autocast(self.device.type, dtype=self.autocast or torch.bfloat16, enabled=self.autocast is not None)
 
     def train_on(self, batch: Batch, skipped: int = 0) -> dict[str, float]:
         """One optimizer step over the batch, in micro-batches; returns metrics. `skipped`: samples of

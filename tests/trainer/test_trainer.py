@@ -257,3 +257,32 @@ def test_training_waits_while_two_versions_are_still_to_be_published(broker_fact
     assert (wait["policy_version"], wait["pending"]) == (3, 2)
     assert done == [4] and [e["step"] for e in logs if e["event"] == "train_step"] == [0, 1, 2, 3]
     assert all((tmp_path / "run" / "weights" / f"v{v}").exists() for v in (2, 3, 4))
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_autocast_auto_takes_bfloat16_only_where_the_cpu_computes_in_it(monkeypatch, native):
+    from rlbus.trainer.model import autocast_dtype
+
+    cpu = torch.device("cpu")
+    for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
+        monkeypatch.setattr(torch.cpu, probe, lambda: native, raising=False)
+    assert autocast_dtype("auto", cpu) == (torch.bfloat16 if native else None)
+    assert autocast_dtype("off", cpu) is None and autocast_dtype("bfloat16", cpu) == torch.bfloat16
+
+
+def test_the_trainer_says_what_autocast_auto_chose_and_records_it_for_replay(broker_factory, clients, tiny_model,
+                                                                              tmp_path):
+    import json
+
+    from rlbus.trainer.checkpoint import RECORD, write_record
+    from rlbus.trainer.main import Trainer
+    from rlbus.trainer.model import autocast_dtype
+
+    b = broker_factory("rollout.repeat=4", "data.batch_tasks=2")
+    here = autocast_dtype("auto", torch.device("cpu"))
+    with capture_logs() as logs:
+        trainer = Trainer(trainer_config(b, tmp_path, "trainer.autocast=auto"), tiny_model)
+    chose = next(e for e in logs if e["event"] == "trainer_autocast")
+    assert chose["dtype"] == ("bfloat16" if here else "off") and trainer.autocast == here
+    write_record(trainer.cfg, tiny_model, 0)
+    assert json.loads((tmp_path / "run" / RECORD).read_text())["autocast"] == chose["dtype"]
