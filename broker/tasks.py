@@ -79,7 +79,7 @@ def seq_of(lease: str) -> int | None:
 
 class TaskQueue:
     def __init__(self, catalog: Catalog, taskset: Taskset, batch_tasks: int, lease_s: float,
-                 revisit: float = 0.0, revisit_times: int = 1):
+                 revisit: float = 0.0, revisit_times: int = 2):
         self.catalog = catalog
         self.taskset = taskset
         self.batch_tasks = batch_tasks
