@@ -102,7 +102,8 @@ class Learner:
 
     def _autocast(self):
         """Mixed precision for the forward pass (weights and optimizer stay in `model.dtype`)."""
-        return torch.autocast(self.device.type, dtype=self.autocast or torch.bfloat16, enabled=self.autocast is not None)
+        return torch.autocast(self.device.type, dtype=self.autocast or torch.bfloat16,
+                              enabled=self.autocast is not None)
 
     def train_on(self, batch: Batch, skipped: int = 0) -> dict[str, float]:
         """One optimizer step over the batch, in micro-batches; returns metrics. `skipped`: samples of

@@ -105,7 +105,8 @@ class CheckpointSender:
         # Explorers may still be loading a recent version, and take deltas against the one they hold: keep the
         # newest few published, whatever their numbers' spacing (sync_interval). Versions above `newest` are a
         # run's before a restart: written over as they come again, never pruned in their place.
-        for _, path in [(v, path) for v, path in version_dirs(self.dir) if v <= newest][:-self.keep]:
+        published = [path for version, path in version_dirs(self.dir) if version <= newest]
+        for path in published[:-self.keep]:
             shutil.rmtree(path, ignore_errors=True)
 
 
