@@ -18,7 +18,6 @@ import json
 import os
 import time
 import uuid
-from pathlib import Path
 from typing import Any, Callable
 
 import structlog
