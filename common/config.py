@@ -19,7 +19,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
-# The processes' sections live in sections.py and are part of this module's API; the run-wide ones are below.
+# The processes' sections live in sections.py (the reward's in reward_config.py) and are part of this module's API;
+# the run-wide ones are below.
 from rlbus.common.reward_config import RewardConfig, RewardTerm  # noqa: F401
 from rlbus.common.sections import (  # noqa: F401
     AlgorithmConfig, BrokerConfig, BufferConfig, DataConfig, ExplorerConfig, ModelConfig, RolloutConfig, Section,
