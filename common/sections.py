@@ -362,4 +362,3 @@ class TrainerConfig(Section):
                              "ranks need one each: set trainer.device=cuda (each rank takes the GPU of its "
                              "LOCAL_RANK; choose GPUs with CUDA_VISIBLE_DEVICES)")
         return self
-

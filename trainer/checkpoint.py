@@ -25,8 +25,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlbus.trainer.model import autocast_dtype
-
 
 def rng_state() -> dict[str, Any]:
     return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
@@ -160,16 +158,15 @@ def _load_whole_into_shards(state: dict, model, optimizer) -> None:
 RECORD = "trainer.json"  # in the run directory
 
 
-def write_record(cfg, model_path: str, step: int) -> None:
+def write_record(cfg, model_path: str, step: int, autocast: str) -> None:
     """`RUN_DIR/trainer.json`, written when the trainer starts: what `rlbus replay` needs besides the broker's
     record of the batches (the resolved model, the effective config, torch's version and thread count, and the
-    precision `trainer.autocast` resolved to)."""
+    precision `trainer.autocast` resolved to, by name)."""
     t = cfg.trainer
-    autocast = autocast_dtype(t.autocast, torch.device(t.device))
     record = {"model_path": str(Path(model_path).resolve()), "config": cfg.model_dump(mode="json"),
               "torch": torch.__version__, "threads": torch.get_num_threads(), "device": t.device,
               "deterministic": t.deterministic, "machine": platform.machine(), "started_step": step,
-              "autocast": str(autocast).removeprefix("torch.") if autocast else "off"}
+              "autocast": autocast}
     path = Path(cfg.run.dir) / RECORD
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")

@@ -42,9 +42,10 @@ class Learner:
         t, a = cfg.trainer, cfg.algorithm
         self.device = world.device if world else torch.device(t.device)
         self.autocast = autocast_dtype(t.autocast, self.device)
+        # What it resolved to, by name (as trainer.autocast takes it): logged for auto, recorded for replay.
+        self.autocast_name = str(self.autocast).removeprefix("torch.") if self.autocast else "off"
         if t.autocast == "auto" and self.main:
-            log.info("trainer_autocast", device=str(self.device), dtype=str(self.autocast).removeprefix("torch.")
-                     if self.autocast else "off")
+            log.info("trainer_autocast", device=str(self.device), dtype=self.autocast_name)
         if t.threads:
             torch.set_num_threads(t.threads)
         elif world and self.device.type == "cpu":  # the cores this process may use, shared among the host's ranks

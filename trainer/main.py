@@ -318,7 +318,7 @@ class Trainer(Learner):
                 pass
             self._check_publishes(wait=True)
             return 0
-        checkpoint.write_record(self.cfg, self.model_path, self.step)
+        checkpoint.write_record(self.cfg, self.model_path, self.step, self.autocast_name)
         if self.client is None:
             self.connect()
         done = 0

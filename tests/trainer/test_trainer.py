@@ -284,5 +284,5 @@ def test_the_trainer_says_what_autocast_auto_chose_and_records_it_for_replay(bro
         trainer = Trainer(trainer_config(b, tmp_path, "trainer.autocast=auto"), tiny_model)
     chose = next(e for e in logs if e["event"] == "trainer_autocast")
     assert chose["dtype"] == ("bfloat16" if here else "off") and trainer.autocast == here
-    write_record(trainer.cfg, tiny_model, 0)
+    write_record(trainer.cfg, tiny_model, 0, trainer.autocast_name)
     assert json.loads((tmp_path / "run" / RECORD).read_text())["autocast"] == chose["dtype"]
