@@ -1,16 +1,16 @@
 """Trainer throughput on the bundled model: shared-prompt training against one row per sample.
 
 A real broker process holds a full buffer of trajectories shaped like the
-default task's (4 prompts x 8 samples per step; each prompt a 30-token
-system prompt common to all and a 14-token question shared by its group;
-8-24 response tokens); an in-process trainer on SmolLM2-135M-Instruct
+default task's (4 prompts x 8 samples per step; each prompt a 30-token system
+prompt common to all and a 14-token question shared by its group; 8-24
+response tokens); an in-process trainer on SmolLM2-135M-Instruct
 (`trainer.autocast=auto`: bfloat16 where the CPU computes in it) runs
 `--steps` steps, publishing weights every step (sync_interval 1, the most
-publishing any mode does) and committing every step. It runs twice, on a fresh broker each time: one row per sample
-(micro-batches of 8, the baseline) and shared-prompt packing (the whole
-batch as one packed sequence). Time outside compute = waiting for the batch +
-publishing (the weight snapshot; writing happens on the publishing thread) +
-commit.
+publishing any mode does) and committing every step. It runs twice, on a fresh
+broker each time: one row per sample (micro-batches of 8, the baseline) and
+shared-prompt packing (the whole batch as one packed sequence). Time outside
+compute = waiting for the batch + publishing (the weight snapshot; writing
+happens on the publishing thread) + commit.
 
 With `--world-size N` it then runs the shared-prompt variant as `rlbus
 trainer` processes, at world size 1 and at N (FSDP2 ranks on this host's

@@ -3,8 +3,6 @@ broker's catalogue keeps which seq holds which task across a restart."""
 
 from __future__ import annotations
 
-import pytest
-
 from rlbus.broker.catalog import Catalog
 from rlbus.broker.tasks import TaskQueue
 from rlbus.common import protocol as P
@@ -67,14 +65,6 @@ def test_a_finite_taskset_ends_with_its_last_task_whatever_revisits_wait(tmp_pat
     for seq, _ in third:
         q.complete(f"t{seq}.0", informative=True)
     assert q.batch_resolved(2) and q.next_batch() is None
-
-
-@pytest.mark.parametrize("bad", ["data.revisit=1", "data.revisit=-0.1", "data.revisit_times=0"])
-def test_a_revisit_setting_out_of_range_is_a_config_error(bad):
-    from rlbus.common.config import ConfigError, load_config
-
-    with pytest.raises(ConfigError, match=bad.split("=")[0]):
-        load_config(None, [bad], environ={})
 
 
 def test_the_broker_issues_an_informative_task_again(broker_factory, clients):

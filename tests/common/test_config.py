@@ -44,6 +44,9 @@ def test_off_stays_a_string():
     (["explorer.streaming=true", "sync.sync_style=async", "sync.max_staleness=2", "explorer.swap_lag=3"],
      "set swap_lag <= 2"),
     (["explorer.kv_cache_mb=0"], "explorer.kv_cache_mb = 0"),
+    (["data.revisit=1"], "data.revisit = 1"),
+    (["data.revisit=-0.1"], "data.revisit = -0.1"),
+    (["data.revisit_times=0"], "data.revisit_times = 0"),
 ])
 def test_bad_values_name_field_value_and_remedy(sets, needle):
     with pytest.raises(ConfigError) as err:
