@@ -87,8 +87,9 @@ def _logprobs_and_grads(model, batch, packed: bool, autocast: bool = False):
     return logp.detach(), entropy, grads
 
 
-def assert_packed_equals_rows(model, batch) -> None:
-    """Packed and one-row-per-sample logprobs, entropies and gradients agree, in float32 and in bfloat16."""
+def assert_packed_equals_rows(model, batch, bfloat16: bool = True) -> None:
+    """Packed and one-row-per-sample logprobs, entropies and gradients agree, in float32 and (unless told
+    otherwise) in bfloat16."""
     rows_logp, rows_entropy, rows_grad = _logprobs_and_grads(model, batch, packed=False)
     packed_logp, packed_entropy, packed_grad = _logprobs_and_grads(model, batch, packed=True)
     assert (rows_logp != 0).sum() == batch.loss_mask.sum()
@@ -97,6 +98,8 @@ def assert_packed_equals_rows(model, batch) -> None:
     # Summation order differs (a shared prompt token sums its responses' gradients in one pass): compare the
     # gradient as a whole, not element by element.
     assert ((packed_grad - rows_grad).norm() / rows_grad.norm()).item() < 1e-4
+    if not bfloat16:
+        return
     # In bfloat16 autocast the two agree as closely as two bfloat16 computations can.
     bf_rows, _, bf_rows_grad = _logprobs_and_grads(model, batch, packed=False, autocast=True)
     bf_packed, _, bf_packed_grad = _logprobs_and_grads(model, batch, packed=True, autocast=True)
@@ -107,14 +110,18 @@ def assert_packed_equals_rows(model, batch) -> None:
 
 @pytest.mark.parametrize("model_name", ["tiny", "smollm2-135m"])
 def test_packed_logprobs_and_gradients_equal_one_row_per_sample(model_name, tiny_model):
+    """The tiny model is checked in float32 and bfloat16 everywhere; the bundled model in bfloat16 only where the
+    CPU computes in it (emulated, its four bfloat16 passes took 47 s of this test's 58 on two AVX2 cores)."""
     from transformers import AutoModelForCausalLM
 
+    from rlbus.trainer.model import autocast_dtype
     from rlbus.weights.models import resolve_model
 
     path = tiny_model if model_name == "tiny" else resolve_model("smollm2-135m")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.train()
-    assert_packed_equals_rows(model, example(vocab=model.config.vocab_size))
+    native = autocast_dtype("auto", torch.device("cpu")) == torch.bfloat16
+    assert_packed_equals_rows(model, example(vocab=model.config.vocab_size), bfloat16=model_name == "tiny" or native)
 
 
 def test_trainer_step_is_the_same_with_and_without_shared_prompts(tiny_model, tmp_path):
