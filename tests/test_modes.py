@@ -1,7 +1,12 @@
 """Each mode preset, run for real on the tiny model, orders rollouts, training and syncs as its diagram does.
 
 Every check reads the structured logs of the run; in every mode the trainer
-never trains on data staler than the bound.
+never trains on data staler than the bound. The synchronous and fully
+asynchronous runs are long enough to show the tiny model learning too: the
+reward (tests/helpers/first_token.py) pays for a first response token in the
+lower half of the vocabulary, responses are one token long, so every trained
+token carries the signal, and a fresh random model earns about 0.5. One run of
+each serves both its mode's checks and the learning check.
 """
 
 from __future__ import annotations
@@ -17,7 +22,11 @@ from rlbus.logview import events as log_events
 from rlbus.timeline import build
 from tests.conftest import REPO, TINY_KV_MB, free_port
 
+pytestmark = pytest.mark.slow  # starts engines or trains
+
 STEPS = 8
+LEARNING_STEPS = 30
+WINDOW = 6  # batches averaged at either end of a learning run
 
 
 def run_preset(preset: str, tiny_model: str, tmp_path: Path, *extra: str, timeout: float = 240) -> tuple[Path, dict]:
@@ -50,9 +59,9 @@ def explorer_names(run_dir: Path) -> list[str]:
     return sorted(p.stem for p in (run_dir / "logs").glob("explorer-*.jsonl"))
 
 
-def check_staleness(run_dir: Path, bound: int) -> None:
+def check_staleness(run_dir: Path, bound: int, total: int = STEPS) -> None:
     steps = events(run_dir, "trainer", "train_step")
-    assert len(steps) == STEPS
+    assert len(steps) == total
     worst = max((int(k) for s in steps for k in s["staleness"]), default=0)
     assert worst <= bound, f"staleness {worst} > {bound}"
 
@@ -61,14 +70,46 @@ def overlaps(a, b) -> bool:
     return a.start < b.end and b.start < a.end
 
 
-def test_synchronous_no_rollout_overlaps_a_training_step(tiny_model, tmp_path):
-    run_dir, info = run_preset("synchronous", tiny_model, tmp_path)
+@pytest.fixture(scope="module")
+def learning_runs(tiny_model, tmp_path_factory):
+    """The synchronous and fully asynchronous presets, each run once with the learnable reward: preset ->
+    (run directory, config)."""
+    runs: dict[str, tuple[Path, dict]] = {}
+
+    def run(preset: str) -> tuple[Path, dict]:
+        if preset not in runs:
+            runs[preset] = run_preset(
+                preset, tiny_model, tmp_path_factory.mktemp(preset), "reward.fn=tests.helpers.first_token:score",
+                "rollout.max_tokens=1", "trainer.lr=1e-2", f"trainer.total_steps={LEARNING_STEPS}",
+                "rollout.repeat=8", "data.batch_tasks=4", "explorer.tasks_per_lease=4",
+                "algorithm.skip_zero_spread=true", "algorithm.informative_wait_s=2", timeout=600)
+        return runs[preset]
+
+    return run
+
+
+@pytest.mark.timeout(660)
+@pytest.mark.parametrize("preset", ["synchronous", "fully_async"])
+def test_tiny_model_reward_rises(learning_runs, preset):
+    run_dir, _ = learning_runs(preset)
+    batches = sorted(events(run_dir, "explorer-0", "explorer_batch"), key=lambda e: e["batch_index"])
+    rewards = [e["reward_mean"] for e in batches]
+    assert len(rewards) >= LEARNING_STEPS
+    first, last = sum(rewards[:WINDOW]) / WINDOW, sum(rewards[-WINDOW:]) / WINDOW
+    assert last >= first + 0.25, f"mean reward {first:.2f} over the first {WINDOW} batches, {last:.2f} over the last"
+    steps = events(run_dir, "trainer", "train_step")
+    assert len(steps) == LEARNING_STEPS and sum(1 for s in steps if s["samples"]) >= LEARNING_STEPS // 2
+
+
+@pytest.mark.timeout(660)
+def test_synchronous_no_rollout_overlaps_a_training_step(learning_runs):
+    run_dir, info = learning_runs("synchronous")
     spans, _, _ = build(run_dir)
     rollouts = [s for s in spans if s.kind == "rollout"]
     training = [s for s in spans if s.kind == "train"]
     assert rollouts and training
     assert not [(r, t) for r in rollouts for t in training if overlaps(r, t)]
-    check_staleness(run_dir, info["cfg"].sync.max_staleness)
+    check_staleness(run_dir, info["cfg"].sync.max_staleness, LEARNING_STEPS)
 
 
 def test_one_step_off_policy_rollout_e_plus_1_overlaps_training_step_e(tiny_model, tmp_path):
@@ -88,18 +129,19 @@ def test_one_step_off_policy_rollout_e_plus_1_overlaps_training_step_e(tiny_mode
     check_staleness(run_dir, info["cfg"].sync.max_staleness)
 
 
-def test_fully_async_explorers_never_wait_for_weights(tiny_model, tmp_path):
+@pytest.mark.timeout(660)
+def test_fully_async_explorers_never_wait_for_weights(learning_runs):
     """No wait by batch index as in lockstep. The one bound of every style still holds: an explorer more than
     max_staleness versions behind the trainer's step loads newer weights first (it happens when the trainer trains
     faster than it publishes, as on a loaded machine), so only such waits may appear."""
-    run_dir, info = run_preset("fully_async", tiny_model, tmp_path)
+    run_dir, info = learning_runs("fully_async")
     bound = info["cfg"].sync.max_staleness
     told = [e for e in events(run_dir, "broker", "lease_wait") if e["reason"] == "version"]
     assert all(e["policy_version"] < e["trainer_step"] - bound == e["need_version"] for e in told), told
     for name in explorer_names(run_dir):
         waits = events(run_dir, name, "waiting_for_weights")
         assert len(waits) <= sum(e["peer"] == name for e in told), waits
-    check_staleness(run_dir, bound)
+    check_staleness(run_dir, bound, LEARNING_STEPS)
 
 
 # The multi-explorer asynchronous preset's ordering is tested on the run tests/test_run_record.py makes of it
