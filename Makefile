@@ -12,6 +12,9 @@ CONFIG ?= configs/arith.yaml
 # wheel index carries (PyPI has the CUDA build under that version).
 TORCH_VERSION := 2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+# `make test` runs the test files on this many pytest-xdist workers, slow files first (tests/conftest.py). Most
+# tests start processes that wait on each other; two workers keep two cores busy.
+TEST_WORKERS ?= 2
 
 .PHONY: run test bench model clean-venv
 
@@ -42,7 +45,7 @@ run: $(STAMP) model
 	$(BIN)/rlbus up $(CONFIG)
 
 test: $(STAMP) model
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/broker_throughput.py --quick

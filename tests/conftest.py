@@ -1,9 +1,15 @@
-"""Shared fixtures: real broker processes on random loopback ports, stopped by pid."""
+"""Shared fixtures: real broker processes on random loopback ports, stopped by pid.
+
+`make test` runs the files on two pytest-xdist workers (`--dist loadfile`), in
+the order `pytest_collection_modifyitems` gives: the files with slow tests
+first, so that none of them is left to run alone at the end.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -24,10 +30,61 @@ REPO = Path(__file__).resolve().parent.parent
 TINY_KV_MB = 64
 
 
-def free_port() -> int:
+PORT_BLOCK = 3000  # ports each pytest process (each xdist worker) hands out, from FIRST_PORT up
+FIRST_PORT = 20000
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The files with a slow test first, each file's tests in their own order. (Every worker collects the same
+    order; with --no-loadscope-reorder the workers take the files in it.)"""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow)
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def _port_block() -> range | None:
+    """This pytest process's own ports: below the kernel's ephemeral range, where bind(0) and outgoing connections
+    take theirs, and apart from every other xdist worker's. None where the range leaves no room for it."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    start = FIRST_PORT + int(worker or 0) * PORT_BLOCK
+    try:
+        ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 32768  # Linux's default
+    return range(start, start + PORT_BLOCK) if start + PORT_BLOCK <= ephemeral else None
+
+
+_BLOCK = _port_block()
+_next_port = random.randrange(PORT_BLOCK)  # where this run starts in its block: not where the last run did
+
+
+def free_port(n: int = 1) -> int:
+    """The first of n consecutive ports free on 127.0.0.1, none of them handed out before in this run: two tests
+    running at once (pytest-xdist workers) never get the same port between picking it and binding it."""
+    global _next_port
+    if _BLOCK is None:
+        for _ in range(100):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                first = s.getsockname()[1]
+            if all(_bindable(first + i) for i in range(1, n)):
+                return first
+    else:
+        for _ in range(PORT_BLOCK):
+            first = _BLOCK.start + _next_port % PORT_BLOCK
+            _next_port += 1
+            if first + n <= _BLOCK.stop and all(_bindable(first + i) for i in range(n)):
+                _next_port += n - 1
+                return first
+    raise RuntimeError(f"no {n} consecutive free ports on 127.0.0.1")
 
 
 class BrokerProcess:

@@ -22,6 +22,8 @@ import pytest
 from rlbus.logview import events
 from tests.conftest import REPO, TINY_KV_MB
 
+pytestmark = pytest.mark.slow  # starts engines or trains
+
 ROLES = ("t", "e1", "e2", "e3")  # the broker's host links them all
 
 

@@ -10,7 +10,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,8 @@ from rlbus.logview import events
 from rlbus.report import FIGURES
 from tests.conftest import REPO, TINY_KV_MB, free_port
 
+pytestmark = pytest.mark.slow  # one run of the tiny model, which most of these tests read
+
 STEPS = 6  # fewer, and the second explorer may start too late to contribute a batch
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 # headless, and no background connections: the test machine has no network beyond loopback
@@ -36,25 +37,6 @@ CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic
 def _cli(*args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "rlbus.cli", *map(str, args)], cwd=REPO, capture_output=True,
                           text=True, timeout=600)
-
-
-def _consecutive_free_ports(n: int) -> int:
-    """The first of n consecutive ports free on 127.0.0.1 (`rlbus up` gives its children base + i)."""
-    for _ in range(100):
-        base = free_port()
-        socks = []
-        try:
-            for i in range(n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", base + i))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no {n} consecutive free ports")
 
 
 def _scrape(port: int) -> dict[str, list]:
@@ -78,7 +60,7 @@ def async_run(tiny_model, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("async") / "run"
     # /metrics on port .. port + 3 (broker, trainer, explorers), the broker on the next two: all free together,
     # so that none of them is handed out again to another of them
-    port = _consecutive_free_ports(6)
+    port = free_port(6)
     sets = [f"run.dir={run_dir}", f"model.path={tiny_model}", f"broker.port={port + 4}",
             f"broker.pub_port={port + 5}", "broker.heartbeat_interval_s=0.5", "rollout.repeat=4",
             "data.batch_tasks=2", f"trainer.total_steps={STEPS}", "trainer.checkpoint_every=2",

@@ -13,6 +13,7 @@ from rlbus.logview import events as log_events, events_in_text
 from tests.conftest import REPO, TINY_KV_MB, free_port
 
 
+@pytest.mark.slow
 def test_up_runs_broker_a_two_rank_trainer_and_explorer_to_the_end(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
     sets = [f"run.dir={run_dir}", f"model.path={tiny_model}", f"broker.port={free_port()}",
@@ -68,6 +69,7 @@ def test_up_runs_broker_a_two_rank_trainer_and_explorer_to_the_end(tiny_model, t
     assert summary["reward_last_steps"] is not None
 
 
+@pytest.mark.slow
 def test_components_stop_when_the_launcher_is_killed(tiny_model, tmp_path):
     """SIGKILL of `rlbus up` itself (it cannot clean up) still leaves no component running."""
     import signal
@@ -130,6 +132,7 @@ def test_the_effective_config_has_the_trainer_wait_for_every_explorer(tmp_path, 
     assert snapshot.trainer.wait_for_explorers == expected
 
 
+@pytest.mark.slow
 def test_closing_the_terminal_stops_the_run_and_leaves_no_process(tiny_model, tmp_path):
     """`rlbus up` in a terminal that closes mid-run: the kernel sends SIGHUP to it, and every later write
     to the terminal fails (EIO). It stops the run as on SIGTERM, writes its summary, and nothing is left."""

@@ -10,6 +10,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from rlbus.common import protocol as P
@@ -20,6 +21,8 @@ from rlbus.explorer.main import Explorer
 from rlbus.logview import events
 from tests.conftest import REPO, TINY_KV_MB
 from tests.explorer.test_explorer import explorer_config
+
+pytestmark = pytest.mark.slow  # starts engines or trains
 
 
 def publisher(tmp_path: Path, base_model: str, timeout_s: float):

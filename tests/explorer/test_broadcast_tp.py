@@ -12,6 +12,8 @@ from tests.conftest import TINY_KV_MB
 from tests.explorer.test_broadcast_sync import assert_generates_like, peers, publisher, tiny_weights, wait_for
 from tests.explorer.test_explorer import explorer_config
 
+pytestmark = pytest.mark.slow  # starts engines or trains
+
 
 def test_a_tensor_parallel_explorer_receives_the_broadcast_on_both_workers(broker_factory, clients, tiny_model,
                                                                            tmp_path, monkeypatch):

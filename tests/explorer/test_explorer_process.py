@@ -17,6 +17,8 @@ from rlbus.logview import events
 from tests.conftest import REPO, TINY_KV_MB
 from tests.explorer.test_explorer import explorer_config
 
+pytestmark = pytest.mark.slow  # starts engines or trains
+
 
 def test_explorer_killed_mid_batch_has_its_leases_reissued(broker_factory, clients, engine, tiny_model, tmp_path):
     b = broker_factory("sync.sync_style=async", "sync.max_staleness=100", "rollout.repeat=4", "data.batch_tasks=2",

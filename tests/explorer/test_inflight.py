@@ -15,6 +15,8 @@ from rlbus.weights.sync import checkpoint_source, load_checkpoint
 from tests.conftest import TINY_KV_MB
 from tests.explorer.test_explorer import explorer_config, fetch_all, publish
 
+pytestmark = pytest.mark.slow  # starts engines or trains
+
 TOLERANCE = 2e-3  # float32, as the explorer's other logprob checks
 LONG = 160  # tokens per request in flight across a swap
 

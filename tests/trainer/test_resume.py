@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -16,6 +17,8 @@ from rlbus.common import protocol as P
 from rlbus.logview import events
 from tests.conftest import REPO
 from tests.trainer.test_trainer import synthetic
+
+pytestmark = pytest.mark.slow  # starts engines or trains
 
 STEPS = 6
 

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -18,6 +19,8 @@ from rlbus.logview import events
 from tests.conftest import free_port
 from tests.helpers.weights import assert_same_weights
 from tests.trainer.test_resume import delivered, feed, start_trainer, steps_logged
+
+pytestmark = pytest.mark.slow  # starts engines or trains
 
 SETS = ("sync.sync_style=async", "sync.max_staleness=100", "rollout.repeat=4", "data.batch_tasks=2")
 METRICS = ("loss", "grad_norm", "entropy", "clip_fraction", "forward_tokens")

@@ -63,6 +63,7 @@ def fed_trainer(broker_factory, clients, tiny_model, tmp_path, groups: int, stal
     return Trainer(cfg, tiny_model)
 
 
+@pytest.mark.slow
 def test_trainer_steps_publish_and_published_weights_match_in_transformers_and_vllm(
         broker_factory, clients, tiny_model, engine, tmp_path):
     from transformers import AutoModelForCausalLM
