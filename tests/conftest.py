@@ -23,6 +23,7 @@ import zmq
 from rlbus.common import protocol as P
 from rlbus.common.client import BrokerClient
 from rlbus.logview import events
+from rlbus.weights.broadcast import free_port as any_free_port
 
 REPO = Path(__file__).resolve().parent.parent
 # The KV cache every CPU engine on the tiny model gets (explorer.kv_cache_mb): 65,536 tokens, whatever the
@@ -72,18 +73,16 @@ def free_port(n: int = 1) -> int:
     global _next_port
     if _BLOCK is None:
         for _ in range(100):
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                first = s.getsockname()[1]
+            first = any_free_port()
             if all(_bindable(first + i) for i in range(1, n)):
                 return first
     else:
         for _ in range(PORT_BLOCK):
             first = _BLOCK.start + _next_port % PORT_BLOCK
-            _next_port += 1
             if first + n <= _BLOCK.stop and all(_bindable(first + i) for i in range(n)):
-                _next_port += n - 1
+                _next_port += n
                 return first
+            _next_port += 1
     raise RuntimeError(f"no {n} consecutive free ports on 127.0.0.1")
 
 
