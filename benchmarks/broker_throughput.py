@@ -40,7 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.harness import broker_process, free_port  # noqa: E402
+from benchmarks.harness import broker_process  # noqa: E402
 
 GROUP = 8  # samples per group (repeat)
 
@@ -162,15 +162,14 @@ def run_producers(mode: str, address: str, args, consume) -> tuple[float, list[f
     return elapsed, latencies, cpu
 
 
-def relay(inbound: int, outbound: int, messages: int, results) -> None:
-    """A bare ZeroMQ hop: what a broker that stored nothing and checked nothing would cost."""
+def relay(messages: int, results) -> None:
+    """A bare ZeroMQ hop: what a broker that stored nothing and checked nothing would cost. Puts its two ports
+    (in, out) on `results`, then its CPU seconds."""
     import zmq
 
     ctx = zmq.Context()
     pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    pull.bind(f"tcp://127.0.0.1:{inbound}")
-    push.bind(f"tcp://127.0.0.1:{outbound}")
-    results.put("ready")
+    results.put([sock.bind_to_random_port("tcp://127.0.0.1") for sock in (pull, push)])
     cpu = time.process_time()
     for _ in range(messages):
         push.send_multipart(pull.recv_multipart(copy=False), copy=False)
@@ -191,10 +190,9 @@ def bench_raw(args, mode: str = "raw", relayed: bool = False) -> Run:
     used: dict[str, float] = {}
     hop = None
     if relayed:
-        inbound, outbound, spawn = free_port(), free_port(), mp.get_context("spawn")
-        address, results = f"tcp://127.0.0.1:{inbound}", spawn.Queue()
-        hop = spawn.Process(target=relay, args=(inbound, outbound, args.per_producer * args.producers // per_message,
-                                                results))
+        spawn = mp.get_context("spawn")
+        results = spawn.Queue()
+        hop = spawn.Process(target=relay, args=(args.per_producer * args.producers // per_message, results))
         hop.start()
     else:
         address = f"tcp://127.0.0.1:{pull.bind_to_random_port('tcp://127.0.0.1')}"
@@ -208,7 +206,8 @@ def bench_raw(args, mode: str = "raw", relayed: bool = False) -> Run:
 
     try:
         if hop is not None:
-            results.get(timeout=60)
+            inbound, outbound = results.get(timeout=60)
+            address = f"tcp://127.0.0.1:{inbound}"
             pull.connect(f"tcp://127.0.0.1:{outbound}")
         elapsed, _, producers = run_producers(mode, address, args, consume)
         if hop is not None:
@@ -233,26 +232,25 @@ def bench_broker(args, data_dir: Path) -> Run:
     from rlbus.common import protocol as P
     from rlbus.common.client import BrokerClient
 
-    port, pub = free_port(), free_port()
-    sets = [f"broker.port={port}", f"broker.pub_port={pub}", f"buffer.dir={data_dir}", f"run.dir={data_dir}",
+    sets = [f"buffer.dir={data_dir}", f"run.dir={data_dir}",
             f"buffer.fsync={args.fsync}", "buffer.capacity=1000000", "sync.sync_style=async",
             "sync.max_staleness=1000000", "logging.level=warning", "logging.format=json"]
-    with broker_process(sets, data_dir, args.profile) as proc:
-        address = f"tcp://127.0.0.1:{port}"
+    with broker_process(sets, data_dir, args.profile) as broker:
+        address, pid = broker.address, broker.proc.pid
         trainer = BrokerClient(address, "trainer", "bench-trainer")
         trainer.start(30)
 
         used: dict[str, float] = {}
 
         def consume(total: int) -> None:  # the broker's CPU is counted over the same span as the consumer's
-            broker, cpu, got, step = cpu_seconds(proc.pid), time.process_time(), 0, 0
+            cpu_before, cpu, got, step = cpu_seconds(pid), time.process_time(), 0, 0
             while got < total:
                 reply = trainer.request(P.FETCH, {"step": step, "max_groups": 64, "wait_ms": 200}, timeout=60)
                 if reply.command == P.BATCH:
                     got += sum(len(g["trajectories"]) for g in reply.header["groups"])
                     trainer.request(P.COMMIT, {"step": step}, timeout=60)
                     step += 1
-            used.update(broker=cpu_seconds(proc.pid) - broker, consumer=time.process_time() - cpu)
+            used.update(broker=cpu_seconds(pid) - cpu_before, consumer=time.process_time() - cpu)
 
         elapsed, latencies, producers = run_producers("broker", address, args, consume)
         trainer.close()

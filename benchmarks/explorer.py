@@ -26,7 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.harness import broker_process, free_port  # noqa: E402
+from benchmarks.harness import broker_process  # noqa: E402
 
 
 def read_files(directory: Path) -> float:
@@ -60,61 +60,59 @@ def main() -> None:
 
     setup_logging("bench", "warning", "json")
     model = Path(resolve_model(args.model))
-    port, pub = free_port(), free_port()
-    with tempfile.TemporaryDirectory(prefix="rlbus-bench-") as tmp:
-        sets = [f"broker.port={port}", f"broker.pub_port={pub}", f"buffer.dir={tmp}", f"run.dir={tmp}",
-                "sync.sync_style=async", "sync.max_staleness=1000", "logging.level=warning"]
-        cfg = load_config(REPO / "configs" / "arith.yaml", [f"broker.address=tcp://127.0.0.1:{port}",
-                                                           f"broker.pub_port={pub}", "sync.sync_style=async",
+    with tempfile.TemporaryDirectory(prefix="rlbus-bench-") as tmp, \
+            broker_process([f"buffer.dir={tmp}", f"run.dir={tmp}", "sync.sync_style=async",
+                            "sync.max_staleness=1000", "logging.level=warning"], Path(tmp)) as broker:
+        cfg = load_config(REPO / "configs" / "arith.yaml", [f"broker.address={broker.address}",
+                                                           f"broker.pub_port={broker.pub_port}", "sync.sync_style=async",
                                                            "sync.max_staleness=1000"], environ={})
-        with broker_process(sets, Path(tmp)):
-            # The default job's engine; its core stops on the way out.
-            with Engine(str(model), seed=0, kv_cache_mb=cfg.explorer.kv_cache_mb) as engine:
-                engine.warm_up()
-                gen_time = 0.0
-                generate = engine.generate
+        # The default job's engine; its core stops on the way out.
+        with Engine(str(model), seed=0, kv_cache_mb=cfg.explorer.kv_cache_mb) as engine:
+            engine.warm_up()
+            gen_time = 0.0
+            generate = engine.generate
 
-                def timed(*a, **kw):
-                    nonlocal gen_time
-                    t = time.perf_counter()
-                    try:
-                        return generate(*a, **kw)
-                    finally:
-                        gen_time += time.perf_counter() - t
+            def timed(*a, **kw):
+                nonlocal gen_time
+                t = time.perf_counter()
+                try:
+                    return generate(*a, **kw)
+                finally:
+                    gen_time += time.perf_counter() - t
 
-                engine.generate = timed
-                trainer = BrokerClient(f"tcp://127.0.0.1:{port}", "trainer", "bench-trainer")
-                trainer.start(30)
-                digest = weights_digest(model)
-                explorer = Explorer(cfg, engine, name="bench-explorer")
-                explorer.connect()
-                published = [0]
+            engine.generate = timed
+            trainer = BrokerClient(broker.address, "trainer", "bench-trainer")
+            trainer.start(30)
+            digest = weights_digest(model)
+            explorer = Explorer(cfg, engine, name="bench-explorer")
+            explorer.connect()
+            published = [0]
 
-                def publisher() -> None:
-                    # A new version after every K batches, as a trainer publishing checkpoints would.
-                    while explorer.batches < args.batches and args.reload_every:
-                        due = explorer.batches // args.reload_every
-                        if due > published[0]:
-                            published[0] = due
-                            trainer.request(P.PUBLISH, {"version": due, "method": "checkpoint",
-                                                        "location": str(model), "digest": digest, "step": due})
-                        time.sleep(0.01)
+            def publisher() -> None:
+                # A new version after every K batches, as a trainer publishing checkpoints would.
+                while explorer.batches < args.batches and args.reload_every:
+                    due = explorer.batches // args.reload_every
+                    if due > published[0]:
+                        published[0] = due
+                        trainer.request(P.PUBLISH, {"version": due, "method": "checkpoint",
+                                                    "location": str(model), "digest": digest, "step": due})
+                    time.sleep(0.01)
 
-                thread = threading.Thread(target=publisher, daemon=True)
-                thread.start()
+            thread = threading.Thread(target=publisher, daemon=True)
+            thread.start()
+            started = time.perf_counter()
+            explorer.run(max_batches=args.batches)
+            wall = time.perf_counter() - started
+            trainer.close()
+            def reload(version: int) -> float:
                 started = time.perf_counter()
-                explorer.run(max_batches=args.batches)
-                wall = time.perf_counter() - started
-                trainer.close()
-                def reload(version: int) -> float:
-                    started = time.perf_counter()
-                    load_checkpoint(engine, str(model), digest, version)
-                    return time.perf_counter() - started
+                load_checkpoint(engine, str(model), digest, version)
+                return time.perf_counter() - started
 
-                reload_s = min(reload(published[0] + 1 + i) for i in range(3))
-                file_read_s = min(read_files(model) for _ in range(3))
-                digest_s = min((lambda t: (weights_digest(model), time.perf_counter() - t)[1])(time.perf_counter())
-                               for _ in range(2))
+            reload_s = min(reload(published[0] + 1 + i) for i in range(3))
+            file_read_s = min(read_files(model) for _ in range(3))
+            digest_s = min((lambda t: (weights_digest(model), time.perf_counter() - t)[1])(time.perf_counter())
+                           for _ in range(2))
     share = gen_time / wall
     print(f"explorer wall {wall:.2f} s over {args.batches} batches ({published[0]} weight loads), "
           f"{gen_time:.2f} s generating: share {share:.3f}")

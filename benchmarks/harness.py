@@ -1,14 +1,15 @@
-"""What every benchmark needs: a free loopback port and a real broker process for the run."""
+"""What every benchmark needs: a real broker process for the run, on ports it binds itself."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Iterator
@@ -18,26 +19,41 @@ from rlbus.common.processes import terminate_with
 REPO = Path(__file__).resolve().parent.parent
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@dataclass
+class Broker:
+    proc: subprocess.Popen
+    port: int
+    pub_port: int
+
+    @property
+    def address(self) -> str:
+        return f"tcp://127.0.0.1:{self.port}"
+
+
+def bound_ports(buffer_dir: Path, proc: subprocess.Popen) -> tuple[int, int]:
+    """The request and bus ports of the broker `proc` (started with `broker.port=0`), once it serves."""
+    endpoints = Path(buffer_dir) / "endpoints.json"
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the broker exited with {proc.returncode}")
+        if endpoints.exists():
+            bound = json.loads(endpoints.read_text())
+            if bound["pid"] == proc.pid:
+                return tuple(int(bound[k].rpartition(":")[2]) for k in ("router", "pub"))
+        time.sleep(0.05)
 
 
 @contextmanager
-def broker_process(sets: list[str], buffer_dir: Path, profile: str = "") -> Iterator[subprocess.Popen]:
-    """`rlbus broker` with `--set` overrides, ready when this yields; stopped with SIGTERM after."""
+def broker_process(sets: list[str], buffer_dir: Path, profile: str = "") -> Iterator[Broker]:
+    """`rlbus broker` with `--set` overrides, on ports it picks itself (no other process can take them between
+    choosing and binding), ready when this yields; stopped with SIGTERM after."""
     prefix = ["-m", "cProfile", "-o", profile] if profile else []
+    sets = ["broker.port=0", "broker.pub_port=0", *sets]
     cmd = [sys.executable, *prefix, "-m", "rlbus.cli", "broker"] + [x for s in sets for x in ("--set", s)]
     # SIGTERM when this benchmark dies, even by SIGKILL: a broker left behind would hold its ports for ever.
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, preexec_fn=partial(terminate_with, os.getpid()))
     try:
-        endpoints = Path(buffer_dir) / "endpoints.json"
-        while not endpoints.exists():
-            if proc.poll() is not None:
-                raise RuntimeError(f"the broker exited with {proc.returncode}")
-            time.sleep(0.05)
-        yield proc
+        yield Broker(proc, *bound_ports(buffer_dir, proc))
     finally:
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGTERM)

@@ -38,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.harness import REPO, free_port  # noqa: E402
+from benchmarks.harness import REPO  # noqa: E402
 from rlbus.logview import events  # noqa: E402
 
 TARGET_TRAIN_S, REACH, HOLD, FINAL = 330.0, 0.90, 0.90, 0.93
@@ -87,8 +87,8 @@ def analyse(run_dir: Path, started_ts: float) -> dict:
 
 def run_seed(config: str, seed: int, sets: list[str], root: Path) -> dict:
     run_dir = root / f"seed-{seed}"
-    overrides = [f"run.dir={run_dir}", f"data.seed={seed}", f"rollout.seed={seed}", f"broker.port={free_port()}",
-                 f"broker.pub_port={free_port()}", "logging.format=json", *sets]
+    overrides = [f"run.dir={run_dir}", f"data.seed={seed}", f"rollout.seed={seed}", "broker.port=0",
+                 "broker.pub_port=0", "logging.format=json", *sets]
     cmd = [sys.executable, "-m", "rlbus.cli", "up", config] + [x for s in overrides for x in ("--set", s)]
     started = time.time()
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=open(root / f"seed-{seed}.log", "w"),

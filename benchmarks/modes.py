@@ -42,7 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.harness import REPO, free_port  # noqa: E402
+from benchmarks.harness import REPO  # noqa: E402
 from rlbus.logview import events as log_events  # noqa: E402
 
 MODES = ["synchronous", "one_step_off_policy", "fully_async", "multi_explorer_async"]
@@ -50,8 +50,9 @@ MODES = ["synchronous", "one_step_off_policy", "fully_async", "multi_explorer_as
 
 def run_mode(mode: str, steps: int, model: str, root: Path, extra: tuple[str, ...] = (), tag: str = "") -> Path:
     run_dir = root / (tag or mode)
-    sets = [f"run.dir={run_dir}", f"model.path={model}", f"broker.port={free_port()}",
-            f"broker.pub_port={free_port()}", f"trainer.total_steps={steps}", "trainer.checkpoint_every=0",
+    # Ports 0: the broker binds free ones and `rlbus up` passes them on.
+    sets = [f"run.dir={run_dir}", f"model.path={model}", "broker.port=0", "broker.pub_port=0",
+            f"trainer.total_steps={steps}", "trainer.checkpoint_every=0",
             "explorer.eval_every=0", "algorithm.fill_batch=false", "data.batch_tasks=4", "rollout.repeat=8",
             "explorer.tasks_per_lease=4", "rollout.max_tokens=24", "trainer.lr=5e-6", "trainer.micro_batch=8",
             "explorer.kv_cache_mb=512",

@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.harness import REPO, broker_process, free_port  # noqa: E402
+from benchmarks.harness import REPO, broker_process  # noqa: E402
 
 PROGRAM = "def double(x):\n    return 2 * x\n"
 TEST = "assert double(21) == 42"
@@ -53,16 +53,14 @@ def bench_code_via_worker(execs: int) -> float:
     from rlbus.common import protocol as P
     from rlbus.common.client import BrokerClient
 
-    port, pub = free_port(), free_port()
     with tempfile.TemporaryDirectory(prefix="rlbus-bench-") as tmp:
-        sets = [f"broker.port={port}", f"broker.pub_port={pub}", f"buffer.dir={tmp}", f"run.dir={tmp}",
-                "logging.level=warning"]
-        with broker_process(sets, Path(tmp)):
+        sets = [f"buffer.dir={tmp}", f"run.dir={tmp}", "logging.level=warning"]
+        with broker_process(sets, Path(tmp)) as broker:
             worker = subprocess.Popen([sys.executable, "-m", "rlbus.cli", "reward", "--broker",
-                                       f"tcp://127.0.0.1:{port}", "--service", "code", "--set",
+                                       broker.address, "--service", "code", "--set",
                                        "logging.level=warning"], cwd=REPO, stderr=subprocess.DEVNULL)
             try:
-                client = BrokerClient(f"tcp://127.0.0.1:{port}", "explorer", "bench")
+                client = BrokerClient(broker.address, "explorer", "bench")
                 client.start(30)
                 while not any(p["role"] == "reward" for p in client.request(P.STATUS).header["peers"]):
                     time.sleep(0.05)

@@ -52,7 +52,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.harness import REPO, free_port  # noqa: E402
+from benchmarks.harness import REPO, bound_ports  # noqa: E402
 from benchmarks.modes import explorer_figures, measure, run_mode  # noqa: E402
 
 WORKLOADS = {
@@ -82,10 +82,7 @@ def run_paced(mode: str, steps: int, model: str, root: Path, extra: tuple[str, .
     logs.mkdir(parents=True)
     model_dir = Path(resolve_model(model))
     preset = REPO / "configs" / "modes" / f"{mode}.yaml"
-    port, pub_port = free_port(), free_port()
-    sets = [f"run.dir={run_dir}", f"model.path={model_dir}", f"broker.port={port}", f"broker.pub_port={pub_port}",
-            f"broker.address=tcp://127.0.0.1:{port}", f"broker.pub_address=tcp://127.0.0.1:{pub_port}",
-            "sync.serve=false", *SETTINGS, *extra]
+    sets = [f"run.dir={run_dir}", f"model.path={model_dir}", "sync.serve=false", *SETTINGS, *extra]
     cfg = load_config(preset, sets, environ={})
     base = weights / "base"  # one copy on this file system, hard-linked as every version
     shutil.copytree(model_dir, base)
@@ -104,12 +101,12 @@ def run_paced(mode: str, steps: int, model: str, root: Path, extra: tuple[str, .
     steps_at, staleness = [], []
     client = None
     try:
-        start("broker", "broker", None)
-        while not (cfg.buffer_dir() / "endpoints.json").exists():
-            time.sleep(0.05)
+        start("broker", "broker", None, "--set", "broker.port=0", "--set", "broker.pub_port=0")
+        port, pub_port = bound_ports(cfg.buffer_dir(), procs[0])
+        sets += [f"broker.address=tcp://127.0.0.1:{port}", f"broker.pub_address=tcp://127.0.0.1:{pub_port}"]
         for i in range(explorers):
             start("explorer", f"explorer-{i}", i % os.cpu_count(), "--name", f"explorer-{i}")
-        client = BrokerClient(f"tcp://127.0.0.1:{cfg.broker.port}", "trainer", "trainer", bus_address=None)
+        client = BrokerClient(f"tcp://127.0.0.1:{port}", "trainer", "trainer", bus_address=None)
         client.start(timeout=60)
         while sum(p["role"] == "explorer" for p in client.request(P.STATUS).header["peers"]) < explorers:
             exited(procs, logs)

@@ -62,14 +62,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.harness import broker_process, free_port  # noqa: E402
+from benchmarks.harness import broker_process  # noqa: E402
 
 
 SYSTEM_TOKENS, QUESTION_TOKENS = 30, 14  # the default task's prompt: chat template's system prompt + question
 GROUPS = 4  # prompts (of 8 samples) per step, as in the default task; the smoke trains 1
 
 
-def fill(port: int, steps: int) -> None:
+def fill(address: str, steps: int) -> None:
     """The broker's buffer: `steps` batches of default-task-shaped groups (the same ones on every call)."""
     import numpy as np
 
@@ -78,7 +78,7 @@ def fill(port: int, steps: int) -> None:
 
     rng = np.random.default_rng(0)
     system = rng.integers(0, 49152, SYSTEM_TOKENS).astype(np.int32)
-    feeder = BrokerClient(f"tcp://127.0.0.1:{port}", "explorer", "feeder")
+    feeder = BrokerClient(address, "explorer", "feeder")
     feeder.start(30)
     for g in range(GROUPS * steps):
         prompt = np.concatenate([system, rng.integers(0, 49152, QUESTION_TOKENS).astype(np.int32)])
@@ -141,11 +141,10 @@ def run_variant(model: str, steps: int, shared_prompt: bool, micro_batch: int, w
     or with `world` > 0 as `rlbus trainer` with that many ranks. Given a `fetched` list (and `world` 1), the
     trainer runs on half of this host's cores, and the broker and `fetchers` fetch clients on the other half;
     each weights_fetched event of theirs is added to the list."""
-    port, pub = free_port(), free_port()
     cores = sorted(os.sched_getaffinity(0))
     trainer_cores, other_cores = set(cores[:len(cores) // 2]), set(cores[len(cores) // 2:])
     with tempfile.TemporaryDirectory(prefix="rlbus-bench-") as tmp:
-        sets = [f"broker.port={port}", f"broker.pub_port={pub}", f"buffer.dir={tmp}/buffer", f"run.dir={tmp}",
+        sets = [f"buffer.dir={tmp}/buffer", f"run.dir={tmp}",
                 "sync.sync_style=async", "sync.max_staleness=1000", "rollout.repeat=8", f"data.batch_tasks={GROUPS}",
                 "logging.level=warning"]
         pinned = fetched is not None
@@ -153,15 +152,17 @@ def run_variant(model: str, steps: int, shared_prompt: bool, micro_batch: int, w
             os.sched_setaffinity(0, other_cores)  # the broker and the fetch clients inherit the other half
         ctx = mp.get_context("spawn")
         stop, results = ctx.Event(), ctx.Queue()
-        clients = [ctx.Process(target=fetcher, args=(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{pub}",
-                                                     f"{tmp}/fetched-{i}", stop, results))
-                   for i in range(fetchers if pinned else 0)]
+        clients: list = []
         try:
-            with broker_process(sets, Path(tmp) / "buffer"):
-                fill(port, steps + 1)
+            with broker_process(sets, Path(tmp) / "buffer") as broker:
+                fill(broker.address, steps + 1)
+                clients = [ctx.Process(target=fetcher, args=(broker.address, f"tcp://127.0.0.1:{broker.pub_port}",
+                                                             f"{tmp}/fetched-{i}", stop, results))
+                           for i in range(fetchers if pinned else 0)]
                 for c in clients:
                     c.start()
-                logs = train(model, steps, shared_prompt, micro_batch, world, sets, port, extra,
+                sets += [f"broker.address={broker.address}", f"broker.pub_port={broker.pub_port}"]
+                logs = train(model, steps, shared_prompt, micro_batch, world, sets, extra,
                              trainer_cores if pinned else None, Path(tmp))
                 stop.set()
                 for _ in clients:
@@ -183,7 +184,7 @@ def run_variant(model: str, steps: int, shared_prompt: bool, micro_batch: int, w
             [e for e in logs if e["event"] == "weights_published" and "seconds" in e][1:])
 
 
-def train(model: str, steps: int, shared_prompt: bool, micro_batch: int, world: int, sets: list[str], port: int,
+def train(model: str, steps: int, shared_prompt: bool, micro_batch: int, world: int, sets: list[str],
           extra: list[str], cores: set[int] | None, tmp: Path) -> list[dict]:
     """The trainer's log: in this process, or with `world` > 0 as `rlbus trainer` (pinned to `cores`, with as
     many threads, when given)."""
@@ -192,7 +193,7 @@ def train(model: str, steps: int, shared_prompt: bool, micro_batch: int, world: 
     from rlbus.common.config import load_config
     from rlbus.logview import events
 
-    trainer_sets = sets + [f"broker.address=tcp://127.0.0.1:{port}", "trainer.checkpoint_every=0",
+    trainer_sets = sets + ["trainer.checkpoint_every=0",
                            f"trainer.total_steps={steps + 1}", f"trainer.micro_batch={micro_batch}",
                            f"trainer.shared_prompt={shared_prompt}", "trainer.autocast=auto",
                            "sync.sync_interval=1", f"model.path={model}", *extra]

@@ -69,7 +69,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.harness import REPO, broker_process, free_port  # noqa: E402
+from benchmarks.harness import REPO, broker_process  # noqa: E402
 from benchmarks.links import LINK, link, link_mb_s, loopback_mb_s  # noqa: E402
 from rlbus.common.processes import terminate_with  # noqa: E402
 from rlbus.logview import events  # noqa: E402
@@ -248,9 +248,8 @@ def run(args, namespace: str | None) -> None:
     root = Path(tempfile.mkdtemp(prefix="rlbus-wsync-"))
     logs = root / "logs"
     logs.mkdir()
-    port, pub_port = free_port(), free_port()
     host = LINK[0] if namespace else "127.0.0.1"
-    sets = [f"broker.port={port}", f"broker.pub_port={pub_port}", f"broker.host={host}",
+    sets = [f"broker.host={host}",
             f"buffer.dir={root / 'buffer'}", f"run.dir={root}", "sync.sync_style=lockstep", "sync.sync_interval=1",
             "sync.sync_offset=0", "sync.sync_method=nccl", "data.batch_tasks=1", "rollout.repeat=2", "rollout.max_tokens=4",
             "logging.format=json", f"logging.file={logs / 'broker.jsonl'}"]
@@ -266,11 +265,11 @@ def run(args, namespace: str | None) -> None:
     if namespace:  # the broadcast's rendezvous is on loopback
         del publishers["broadcast"]
     results: dict = {}
-    with broker_process(sets, root / "buffer"):
-        trainer = BrokerClient(f"tcp://{host}:{port}", "trainer", "bench", heartbeat_interval_s=0.5)
+    with broker_process(sets, root / "buffer") as broker:
+        trainer = BrokerClient(f"tcp://{host}:{broker.port}", "trainer", "bench", heartbeat_interval_s=0.5)
         trainer.start(30)
         pub.attach(trainer)
-        fleet = Fleet(f"tcp://{host}:{port}", pub_port, args.model, logs, args.fetch_dir,
+        fleet = Fleet(f"tcp://{host}:{broker.port}", broker.pub_port, args.model, logs, args.fetch_dir,
                       # The delta row measures deltas: explorers wait for each build whatever a whole version takes.
                       [f"explorer.overlap_fetch={not args.no_overlap}", "explorer.delta_wait_s=60"], namespace)
         version = 0

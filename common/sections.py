@@ -194,9 +194,10 @@ class BrokerConfig(Section):
     host: str = "127.0.0.1"
     """Address the broker binds (0.0.0.0 to serve other hosts)."""
     port: int = Field(5555, ge=0, le=65535)
-    """Request (ROUTER) port; 0 picks a free port."""
+    """Request (ROUTER) port; 0 picks a free port (written to endpoints.json in the buffer directory, and passed
+    on to the others by `rlbus up`)."""
     pub_port: int = Field(5556, ge=0, le=65535)
-    """Weight-version bus (PUB) port; 0 picks a free port."""
+    """Weight-version bus (PUB) port; 0 picks a free port, as for `port`."""
     heartbeat_interval_s: float = Field(1.0, gt=0)
     """Seconds between heartbeats."""
     liveness: int = Field(5, ge=2)

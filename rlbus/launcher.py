@@ -53,12 +53,8 @@ class Child:
 
 class Launcher:
     def __init__(self, cfg: RunConfig):
-        if cfg.broker.port == 0 or cfg.broker.pub_port == 0:
-            raise ValueError("rlbus up needs fixed broker.port and broker.pub_port (not 0)")
-        # Children find the broker on this machine, whatever address it binds.
         cfg = cfg.model_copy(deep=True)
-        cfg.broker.address = f"tcp://127.0.0.1:{cfg.broker.port}"
-        cfg.broker.pub_address = f"tcp://127.0.0.1:{cfg.broker.pub_port}"
+        self._pin_ports(cfg, cfg.broker.port, cfg.broker.pub_port)  # a port 0 is pinned once the broker has bound one
         if cfg.launch.start_together and not cfg.trainer.wait_for_explorers:
             cfg.trainer.wait_for_explorers = cfg.launch.explorers  # the first step waits for all of them
         self.cfg = cfg
@@ -81,6 +77,13 @@ class Launcher:
             self.children.append(Child(f"explorer-{i}", "explorer", cpus, extra + metrics_port(2 + i)))
         self._stopping = False
         self.exit_code = 0
+
+    @staticmethod
+    def _pin_ports(cfg: RunConfig, port: int, pub_port: int) -> None:
+        """Children find the broker on this machine, whatever address it binds."""
+        cfg.broker.port, cfg.broker.pub_port = port, pub_port
+        cfg.broker.address = f"tcp://127.0.0.1:{port}"
+        cfg.broker.pub_address = f"tcp://127.0.0.1:{pub_port}"
 
     # ---- children ---------------------------------------------------------
 
@@ -179,6 +182,10 @@ class Launcher:
         try:
             self._start(self.children[0])
             self._wait_broker()
+            if not (self.cfg.broker.port and self.cfg.broker.pub_port):
+                bound = json.loads((self.cfg.buffer_dir() / "endpoints.json").read_text())
+                self._pin_ports(self.cfg, *(int(bound[k].rpartition(":")[2]) for k in ("router", "pub")))
+                self.snapshot.write_text(dump_config(self.cfg))  # the others, and a restarted broker, read these
             for child in self.children[1:]:
                 self._start(child)
             last_status = 0.0

@@ -23,7 +23,6 @@ import zmq
 from rlbus.common import protocol as P
 from rlbus.common.client import BrokerClient
 from rlbus.logview import events
-from rlbus.weights.broadcast import free_port as any_free_port
 
 REPO = Path(__file__).resolve().parent.parent
 # The KV cache every CPU engine on the tiny model gets (explorer.kv_cache_mb): 65,536 tokens, whatever the
@@ -51,6 +50,12 @@ def _bindable(port: int) -> bool:
         return True
 
 
+def _any_free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _port_block() -> range | None:
     """This pytest process's own ports: below the kernel's ephemeral range, where bind(0) and outgoing connections
     take theirs, and apart from every other xdist worker's. None where the range leaves no room for it."""
@@ -73,7 +78,7 @@ def free_port(n: int = 1) -> int:
     global _next_port
     if _BLOCK is None:
         for _ in range(100):
-            first = any_free_port()
+            first = _any_free_port()
             if all(_bindable(first + i) for i in range(1, n)):
                 return first
     else:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
 from rlbus.logview import events as log_events, events_in_text
 from tests.conftest import REPO, TINY_KV_MB, free_port
@@ -16,8 +17,9 @@ from tests.conftest import REPO, TINY_KV_MB, free_port
 @pytest.mark.slow
 def test_up_runs_broker_a_two_rank_trainer_and_explorer_to_the_end(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
-    sets = [f"run.dir={run_dir}", f"model.path={tiny_model}", f"broker.port={free_port()}",
-            f"broker.pub_port={free_port()}", "broker.heartbeat_interval_s=0.5", "rollout.repeat=4",
+    # Ports 0: the broker binds free ones, and the launcher passes them on.
+    sets = [f"run.dir={run_dir}", f"model.path={tiny_model}", "broker.port=0",
+            "broker.pub_port=0", "broker.heartbeat_interval_s=0.5", "rollout.repeat=4",
             "data.batch_tasks=2", "sync.sync_style=lockstep", "sync.sync_interval=1", "sync.sync_offset=1",
             "trainer.total_steps=3", "trainer.checkpoint_every=2", "trainer.micro_batch=4", "trainer.lr=1e-4",
             "trainer.fetch_wait_s=1", "rollout.max_tokens=8", "rollout.dtype=float32",
@@ -38,7 +40,10 @@ def test_up_runs_broker_a_two_rank_trainer_and_explorer_to_the_end(tiny_model, t
             raise AssertionError(f"process group {pid} still exists")
         except ProcessLookupError:
             pass
-    assert (run_dir / "config.yaml").exists()
+    snapshot = yaml.safe_load((run_dir / "config.yaml").read_text())["broker"]
+    bound = json.loads((run_dir / "buffer" / "endpoints.json").read_text())
+    assert bound["router"] == f"tcp://127.0.0.1:{snapshot['port']}" == snapshot["address"] and snapshot["port"]
+    assert bound["pub"] == f"tcp://127.0.0.1:{snapshot['pub_port']}" == snapshot["pub_address"]
     for name in ("broker", "trainer", "explorer-0"):
         assert (run_dir / "logs" / f"{name}.jsonl").stat().st_size > 0
     steps = log_events(run_dir / "logs" / "trainer.jsonl", "train_step")

@@ -23,6 +23,7 @@ their own, so that publishing never holds up training.
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -32,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from rlbus.common import protocol as P
-from rlbus.trainer.ranks import rank_env
+from rlbus.trainer.ranks import STORE_FD, rank_env
 
 
 @dataclass(frozen=True)
@@ -65,8 +66,12 @@ def init(cfg) -> World | None:
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs = {"device_id": device} if device.type == "cuda" else {}
-    dist.init_process_group(backend, rank=rank, world_size=size,
-                            timeout=timedelta(seconds=t.collective_timeout_s), **kwargs)
+    timeout = timedelta(seconds=t.collective_timeout_s)
+    if STORE_FD in os.environ:  # started by `rlbus trainer`: rank 0's store serves on the socket it was handed
+        fd = os.environ.pop(STORE_FD)
+        kwargs["store"] = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), size, rank == 0,
+                                        timeout, wait_for_workers=False, master_listen_fd=int(fd) if fd else None)
+    dist.init_process_group(backend, rank=rank, world_size=size, timeout=timeout, **kwargs)
     return World(rank, size, local, device)
 
 

@@ -2,8 +2,10 @@
 
 Each rank is `rlbus trainer` again, with the effective config (written to
 `RUN_DIR/trainer.ranks.yaml`) and torchrun's environment (RANK, WORLD_SIZE,
-LOCAL_RANK, MASTER_ADDR, MASTER_PORT on loopback). This process stays as
-their supervisor:
+LOCAL_RANK, MASTER_ADDR, MASTER_PORT on loopback). The rendezvous port is
+bound here, before any rank starts, and its socket handed to rank 0, whose
+store serves on it (`STORE_FD`): no other process can take the port between
+choosing and binding it. This process stays as the ranks' supervisor:
 
 - SIGTERM, SIGINT or SIGHUP is passed on to rank 0, which stops after its
   step and tells the others to stop.
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -31,12 +34,12 @@ import structlog
 
 from rlbus.common.config import RunConfig, dump_config
 from rlbus.common.processes import terminate_with
-from rlbus.weights.broadcast import free_port  # no torch
 
 log = structlog.get_logger()
 
 STOP_GRACE_S = 5.0  # after a rank died: how long the others get to stop before SIGKILL
 CONFIG = "trainer.ranks.yaml"  # in the run directory
+STORE_FD = "RLBUS_STORE_FD"  # rank 0: the listening socket its rendezvous store serves on; the others: empty
 
 
 def rank_env() -> tuple[int, int, int] | None:
@@ -58,14 +61,17 @@ def supervise(cfg: RunConfig) -> int:
     config = Path(cfg.run.dir) / CONFIG
     config.parent.mkdir(parents=True, exist_ok=True)
     config.write_text(dump_config(cfg))
-    port = free_port()
     me = os.getpid()
     ranks: list[subprocess.Popen] = []
-    for rank in range(size):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(size), "LOCAL_RANK": str(rank),
-               "LOCAL_WORLD_SIZE": str(size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        ranks.append(subprocess.Popen([sys.executable, "-m", "rlbus.cli", "trainer", str(config)], env=env,
-                                      stdin=subprocess.DEVNULL, preexec_fn=lambda: terminate_with(me)))
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port, fd = listener.getsockname()[1], listener.fileno()
+        for rank in range(size):
+            env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(size), "LOCAL_RANK": str(rank),
+                   "LOCAL_WORLD_SIZE": str(size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                   STORE_FD: str(fd) if rank == 0 else ""}
+            ranks.append(subprocess.Popen([sys.executable, "-m", "rlbus.cli", "trainer", str(config)], env=env,
+                                          stdin=subprocess.DEVNULL, pass_fds=(fd,) if rank == 0 else (),
+                                          preexec_fn=lambda: terminate_with(me)))
     log.info("trainer_ranks_started", world_size=size, pids=[p.pid for p in ranks], master_port=port)
 
     def stop(*_) -> None:  # rank 0 stops at its step's end and then tells the others

@@ -132,19 +132,12 @@ def local_address_towards(host: str) -> str:
             return "127.0.0.1"
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def serve_store(host: str, port: int, timeout_s: float):
     """The trainer's rendezvous store for the run; returns (store, port)."""
     from torch.distributed import TCPStore
 
-    port = port or free_port(host)
     store = TCPStore(host, port, None, True, datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
-    return store, port
+    return store, store.port  # port 0: the one the store bound
 
 
 def epoch_store(address: str, epoch: int, timeout_s: float, store=None):
