@@ -45,6 +45,7 @@ class _Request:
     payloads: list[bytes]
     future: Future = field(default_factory=Future)
     req: int = 0
+    submitted: float = field(default_factory=time.monotonic)
     # PUT bookkeeping: results gathered across ACKs and deferrals.
     stored: list[str] = field(default_factory=list)
     duplicate: list[str] = field(default_factory=list)
@@ -304,9 +305,15 @@ class Connection:
             self._retry_hello_at = 0.0
             self._rehello()
         silent = now - self._last_recv
-        if silent > self.liveness * self.hb and self._stopping:
-            waiting = len(self._pending) + len(self._held) + len(self._outbox)
-            log.warning("broker_lost_while_stopping", peer=self.name, silent_s=round(silent, 2), unanswered=waiting)
+        # Stopping, what waits fails once the broker has said nothing for the window since it was asked (with
+        # nothing waiting, say mid-rollout, a silent broker is only reconnected to, as at any time): a broker
+        # that a busy host starves for a moment costs no finished batch.
+        with self._lock:
+            waiting = [*self._pending.values(), *self._held, *self._outbox] if self._stopping else []
+        asked = min((r.submitted for r in waiting), default=now)
+        if waiting and now - max(self._last_recv, asked) > self.liveness * self.hb:
+            log.warning("broker_lost_while_stopping", peer=self.name, silent_s=round(silent, 2),
+                        unanswered=len(waiting))
             self._stop.set()
             self._fail_all(BrokerUnreachable(f"the broker at {self.address} went silent while {self.name} "
                                              f"was stopping"))

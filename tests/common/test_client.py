@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 
@@ -65,6 +66,19 @@ def test_a_stopping_client_gives_up_on_a_broker_that_has_gone(broker, clients):
         pending.result(30)
     with pytest.raises(BrokerUnreachable, match="stopped"):
         c.request(P.STATUS, timeout=5)
+
+
+def test_a_stopping_client_with_nothing_waiting_outlasts_a_broker_that_pauses(broker, clients):
+    """An explorer finishing its last batch (stopping, nothing asked yet) while a loaded host starves the broker
+    past the liveness window: that costs a reconnect, not the batch."""
+    c = clients(broker, "explorer", "patient")
+    c.stopping()
+    os.kill(broker.proc.pid, signal.SIGSTOP)
+    try:
+        time.sleep(0.2 * 5 * 3)  # three times liveness x interval without a word from the broker
+    finally:
+        os.kill(broker.proc.pid, signal.SIGCONT)
+    assert sorted(c.put(group("finished"), timeout=10)["stored"]) == ["finished.0", "finished.1"]
 
 
 def test_a_stopping_client_still_finishes_with_a_broker_that_answers(broker, clients):
