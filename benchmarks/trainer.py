@@ -66,10 +66,10 @@ from benchmarks.harness import broker_process  # noqa: E402
 
 
 SYSTEM_TOKENS, QUESTION_TOKENS = 30, 14  # the default task's prompt: chat template's system prompt + question
-GROUPS = 4  # prompts (of 8 samples) per step, as in the default task; the smoke trains 1
+GROUPS = 4  # prompts (of 8 samples) per step, as in the default task (the smoke trains 1: `groups`)
 
 
-def fill(address: str, steps: int) -> None:
+def fill(address: str, steps: int, groups: int) -> None:
     """The broker's buffer: `steps` batches of default-task-shaped groups (the same ones on every call)."""
     import numpy as np
 
@@ -80,13 +80,13 @@ def fill(address: str, steps: int) -> None:
     system = rng.integers(0, 49152, SYSTEM_TOKENS).astype(np.int32)
     feeder = BrokerClient(address, "explorer", "feeder")
     feeder.start(30)
-    for g in range(GROUPS * steps):
+    for g in range(groups * steps):
         prompt = np.concatenate([system, rng.integers(0, 49152, QUESTION_TOKENS).astype(np.int32)])
         items = []
         for i in range(8):
             n = int(rng.integers(8, 25))
             meta = {"id": f"g{g}.{i}", "group_id": f"g{g}", "task_id": f"g{g}", "group_size": 8,
-                    "batch_index": g // GROUPS, "policy_version": 0, "reward": float(i % 3 == 0), "n_tokens": n}
+                    "batch_index": g // groups, "policy_version": 0, "reward": float(i % 3 == 0), "n_tokens": n}
             items.append((meta, encode_payload({
                 "prompt_ids": prompt, "response_ids": rng.integers(0, 49152, n).astype(np.int32),
                 "logprobs": np.full(n, -2.0, dtype=np.float32), "loss_mask": np.ones(n, dtype=np.uint8)})))
@@ -134,7 +134,7 @@ def fetcher(broker: str, bus: str, fetch_dir: str, stop, results) -> None:
 
 
 def run_variant(model: str, steps: int, shared_prompt: bool, micro_batch: int, world: int = 0,
-                extra: list[str] = (), fetched: list[dict] | None = None, fetchers: int = 0
+                extra: list[str] = (), fetched: list[dict] | None = None, fetchers: int = 0, groups: int = GROUPS
                 ) -> tuple[list[dict], list[dict]]:
     """`steps` + 1 trainer steps against a broker filled with default-task-shaped groups: their train_step
     events (the first, which pays one-time warm-up, left out) and weights_published events. In this process,
@@ -145,7 +145,7 @@ def run_variant(model: str, steps: int, shared_prompt: bool, micro_batch: int, w
     trainer_cores, other_cores = set(cores[:len(cores) // 2]), set(cores[len(cores) // 2:])
     with tempfile.TemporaryDirectory(prefix="rlbus-bench-") as tmp:
         sets = [f"buffer.dir={tmp}/buffer", f"run.dir={tmp}",
-                "sync.sync_style=async", "sync.max_staleness=1000", "rollout.repeat=8", f"data.batch_tasks={GROUPS}",
+                "sync.sync_style=async", "sync.max_staleness=1000", "rollout.repeat=8", f"data.batch_tasks={groups}",
                 "logging.level=warning"]
         pinned = fetched is not None
         if pinned:
@@ -155,7 +155,7 @@ def run_variant(model: str, steps: int, shared_prompt: bool, micro_batch: int, w
         clients: list = []
         try:
             with broker_process(sets, Path(tmp) / "buffer") as broker:
-                fill(broker.address, steps + 1)
+                fill(broker.address, steps + 1, groups)
                 clients = [ctx.Process(target=fetcher, args=(broker.address, f"tcp://127.0.0.1:{broker.pub_port}",
                                                              f"{tmp}/fetched-{i}", stop, results))
                            for i in range(fetchers if pinned else 0)]
@@ -215,7 +215,7 @@ def train(model: str, steps: int, shared_prompt: bool, micro_batch: int, world: 
 
 
 def serving_cost(model: str, steps: int, fetchers: int, rounds: int, whole: bool = True,
-                 extra: list[str] = ()) -> dict:
+                 extra: list[str] = (), groups: int = GROUPS) -> dict:
     """The trainer's step time on its own cores while `fetchers` clients fetch every version (deltas, then,
     with `whole`, deltas built at normal priority and whole versions only) against nobody fetching; `rounds`
     alternations, steps paired by index (step i trains the same batch in every run)."""
@@ -227,7 +227,7 @@ def serving_cost(model: str, steps: int, fetchers: int, rounds: int, whole: bool
     for r in range(rounds):
         for name, n, more in variants:
             got, published = run_variant(model, steps, True, 32, world=1, extra=[*extra, *more],
-                                         fetched=fetched_of[name], fetchers=n)
+                                         fetched=fetched_of[name], fetchers=n, groups=groups)
             summarize(f"round {r + 1} {name} ({n} fetching)", got, published)
             steps_of[name].append(got)
     base = [e["step_s"] for run in steps_of["baseline"] for e in run]
@@ -284,9 +284,9 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true",
                     help="one timed step of one prompt: checks that the benchmark runs")
     args = ap.parse_args()
-    global GROUPS
+    groups = 1 if args.smoke else GROUPS
     if args.smoke:
-        args.steps, GROUPS = 1, 1
+        args.steps = 1
     if args.world_size == 1 or args.world_size < 0:
         ap.error("--world-size: 2 or more (world size 1 is always run beside it)")
     if args.serve_rounds < 1:
@@ -299,7 +299,8 @@ def main() -> None:
     model = str(resolve_model(args.model))
     figures = {}
     for name, shared, micro in (("rows", False, 8), ("shared_prompt", True, 32)):
-        figures[name] = summarize(name, *run_variant(model, args.steps, shared, micro, extra=args.sets))
+        figures[name] = summarize(name, *run_variant(model, args.steps, shared, micro, extra=args.sets,
+                                                            groups=groups))
     speedup = figures["shared_prompt"]["tokens_per_s"] / figures["rows"]["tokens_per_s"]
     print(f"shared-prompt training: {speedup:.2f}x the trained tokens/s of one row per sample")
     out = {"tokens_per_s": figures["shared_prompt"]["tokens_per_s"], "sets": args.sets,
@@ -308,7 +309,7 @@ def main() -> None:
     if args.world_size:
         # Micro-batches of 8: at world size N each rank trains its share of the batch's 4.
         ranks = {str(w): summarize(f"world_size {w}", *run_variant(model, args.steps, True, 8, world=w,
-                                                                   extra=args.sets))
+                                                                   extra=args.sets, groups=groups))
                  for w in (1, args.world_size)}
         ratio = ranks[str(args.world_size)]["tokens_per_s"] / ranks["1"]["tokens_per_s"]
         print(f"world size {args.world_size}: {ratio:.2f}x the trained tokens/s of world size 1")
@@ -316,7 +317,7 @@ def main() -> None:
     if args.serve:
         # The smoke leaves out whole versions: the same path with deltas off.
         out["serving"] = serving_cost(model, args.steps, args.serve, 1 if args.smoke else args.serve_rounds,
-                                      whole=not args.smoke, extra=args.sets)
+                                      whole=not args.smoke, extra=args.sets, groups=groups)
     print(json.dumps(out))
 
 
