@@ -55,7 +55,7 @@ def main() -> None:
     from rlbus.weights.digest import weights_digest
     from rlbus.explorer.engine import Engine
     from rlbus.explorer.main import Explorer
-    from rlbus.weights.models import resolve_model
+    from rlbus.weights.models import resolve_model, with_rollout_dtype
     from rlbus.weights.sync import load_checkpoint
 
     setup_logging("bench", "warning", "json")
@@ -63,11 +63,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="rlbus-bench-") as tmp, \
             broker_process([f"buffer.dir={tmp}", f"run.dir={tmp}", "sync.sync_style=async",
                             "sync.max_staleness=1000", "logging.level=warning"], Path(tmp)) as broker:
-        cfg = load_config(REPO / "configs" / "arith.yaml", [f"broker.address={broker.address}",
-                                                           f"broker.pub_port={broker.pub_port}", "sync.sync_style=async",
-                                                           "sync.max_staleness=1000"], environ={})
+        cfg = with_rollout_dtype(load_config(REPO / "configs" / "arith.yaml",
+                                             [f"broker.address={broker.address}", f"broker.pub_port={broker.pub_port}",
+                                              "sync.sync_style=async", "sync.max_staleness=1000"], environ={}))
         # The default job's engine; its core stops on the way out.
-        with Engine(str(model), seed=0, kv_cache_mb=cfg.explorer.kv_cache_mb) as engine:
+        with Engine(str(model), dtype=cfg.rollout.dtype, seed=0, kv_cache_mb=cfg.explorer.kv_cache_mb) as engine:
             engine.warm_up()
             gen_time = 0.0
             generate = engine.generate

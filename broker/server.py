@@ -27,11 +27,11 @@ from rlbus.broker.bus import WeightBus
 from rlbus.broker.peers import Peer, Peers
 from rlbus.broker.rewards import RewardRouter
 from rlbus.broker.buffer import Buffer
+from rlbus.broker.rollout import RunRollout
 from rlbus.broker.store import Store
 from rlbus.broker.swaps import SwapSlots
 from rlbus.broker.tasks import TaskQueue, refusal
 from rlbus.common import protocol as P
-from rlbus.common.messages import Rollout, fields
 from rlbus.common.config import RunConfig
 from rlbus.common.curve import load_server_auth
 from rlbus.common.tasksets import make_taskset
@@ -39,7 +39,6 @@ from rlbus.common.tasksets import make_taskset
 log = structlog.get_logger()
 
 _WHO = {"explorer": "explorers", "trainer": "the trainer", "reward": "reward workers"}
-ROLLOUT_FIELDS = fields(Rollout)
 
 PUT_DRAIN = 256  # messages taken off the socket before one group commit
 
@@ -57,6 +56,7 @@ class Broker:
         self.started_at = self.store.get_meta("started_at") or time.time()
         self.store.set_meta("started_at", self.started_at)
         self.peers = Peers()
+        self.rollout = RunRollout(cfg, self.store)
         self.tasks = TaskQueue(self.store.catalog, make_taskset(cfg.data), cfg.data.batch_tasks,
                                bcfg.lease_timeout_s, cfg.data.revisit, cfg.data.revisit_times)
         self.buffer = Buffer(cfg, self.store, self.tasks, self.peers, self, self.ctx)
@@ -243,9 +243,7 @@ class Broker:
                 "message": f"name {h['name']!r} belongs to a live {holder.role} (last heard "
                            f"{now - holder.last_seen:.1f} s ago); pick another name, or retry once it has "
                            f"left or expired (in {wait:.1f} s)"})
-        differs = [f"rollout.{k}: this peer has {v!r}, the run {getattr(self.cfg.rollout, k)!r}"
-                   for k, v in h.get("rollout", {}).items()
-                   if k in ROLLOUT_FIELDS and v != getattr(self.cfg.rollout, k)]
+        differs = self.rollout.differences(h.get("rollout", {}))
         if differs:  # it would sample differently from what the trainer's importance weights assume
             return self.reply(identity, msg, P.ERROR, {
                 "code": "conflict", "message": f"{'; '.join(differs)}: start it with the run's rollout settings, "
@@ -254,13 +252,14 @@ class Broker:
         if previous is not None and previous.name != h["name"]:
             self._drop(previous, "renamed")  # one connection, one name: the old one's leases go back
         peer, reconnect = self.peers.join(identity, h, now)
+        self.rollout.admit(h.get("rollout", {}), peer.name)
         log.info("peer_joined", peer=peer.name, role=peer.role, policy_version=peer.policy_version,
                  reconnect=reconnect, peers=len(self.peers))
         s = self.cfg.sync
         self.reply(identity, msg, P.WELCOME, {
             "run_id": self.run_id, "started_at": self.started_at, "peer": peer.name, "heartbeat_interval_s": self.hb,
             "liveness": self.cfg.broker.liveness, "weights": self.bus.state, "credit": self.buffer.credit(),
-            "max_message_bytes": self.cfg.broker.max_message_bytes, "rollout": self.cfg.rollout.model_dump(),
+            "max_message_bytes": self.cfg.broker.max_message_bytes, "rollout": self.rollout.settings,
             "sync": {"sync_style": s.sync_style, "sync_interval": s.sync_interval, "sync_offset": s.sync_offset,
                      "max_staleness": s.max_staleness, "sync_method": s.sync_method,
                      "max_swapping": s.max_swapping,

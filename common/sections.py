@@ -234,8 +234,11 @@ class RolloutConfig(Section):
     """Nucleus sampling."""
     max_tokens: int = Field(24, ge=1)
     """New tokens per response."""
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
-    """The dtype weights are published in and explorers' engines compute in."""
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    """The dtype weights are published in and explorers' engines compute in. auto: bfloat16 where the host computes
+    in it (a CUDA GPU that supports it, else float16 there; a CPU with AVX512-BF16 or AMX), float32 on other CPUs,
+    which emulate bfloat16 at about a quarter of the speed. Each process resolves auto on its own host and the
+    broker pins the first answer for the run: across hosts of different kinds, set it explicitly."""
     repeat: int = Field(8, ge=1)
     """Samples generated per task (the group size)."""
     seed: int = Field(0, ge=0)

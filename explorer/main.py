@@ -48,6 +48,7 @@ from rlbus.explorer.envs import make_env
 from rlbus.explorer.inflight import Loader, Stopping
 from rlbus.explorer.rollout import Rollouts, roll_out
 from rlbus.reward.base import from_config
+from rlbus.weights.models import with_rollout_dtype
 from rlbus.weights.sync import Receiver
 
 log = structlog.get_logger()
@@ -56,7 +57,7 @@ log = structlog.get_logger()
 
 class Explorer:
     def __init__(self, cfg: RunConfig, engine, name: str | None = None):
-        self.cfg = cfg
+        self.cfg = cfg = with_rollout_dtype(cfg)  # the dtype its HELLO reports, as this host resolves `auto`
         self.engine = engine
         self.name = name or cfg.explorer.name or default_name("explorer")
         self.reward_fn = from_config(cfg.reward)
@@ -360,6 +361,7 @@ def run(cfg: RunConfig) -> None:
     from rlbus.explorer.engine import Engine
     from rlbus.weights.models import resolve_model
 
+    cfg = with_rollout_dtype(cfg)  # the engine computes in it
     engine = Engine(resolve_model(cfg.model.path, cfg.model.cache_dir), seed=cfg.rollout.seed,
                     memory_fraction=cfg.explorer.memory_fraction, kv_cache_mb=cfg.explorer.kv_cache_mb,
                     dtype=cfg.rollout.dtype, core=cfg.explorer.engine_core, swap_kv=cfg.explorer.swap_kv,

@@ -48,6 +48,7 @@ from rlbus.common.logging import bind, significant
 from rlbus.trainer import checkpoint, distributed
 from rlbus.trainer.distributed import Plan, World
 from rlbus.trainer.learner import Learner
+from rlbus.weights.models import with_rollout_dtype
 from rlbus.weights.sync import Sender, make_sender
 
 log = structlog.get_logger()
@@ -60,6 +61,7 @@ class Trainer(Learner):
     """The trainer process: a Learner fed by the broker, publishing its weights."""
 
     def __init__(self, cfg: RunConfig, model_path: str, publisher: Sender | None = None, world: World | None = None):
+        cfg = with_rollout_dtype(cfg)  # the dtype it publishes in, as this host resolves `auto`
         super().__init__(cfg, model_path, world)
         self.publisher = None
         if self.main:

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from rlbus.common.config import RunConfig
+from rlbus.weights.models import cpu_computes_bfloat16
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -22,8 +23,7 @@ def autocast_dtype(setting: str, device: torch.device) -> torch.dtype | None:
         return DTYPES.get(setting)  # "off": None
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else None
-    native = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # torch.cpu's own probes (private, guarded)
-    return torch.bfloat16 if device.type == "cpu" and any(getattr(torch.cpu, f, bool)() for f in native) else None
+    return torch.bfloat16 if device.type == "cpu" and cpu_computes_bfloat16() else None
 
 
 def load_model(path: str, cfg: RunConfig, trainable: bool = True, device: str | None = None):

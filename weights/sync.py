@@ -63,12 +63,14 @@ class Engine(Protocol):
 
 
 def make_sender(cfg, weights_dir: str | Path, base_model_dir: str | Path, device: str = "cpu") -> Sender:
-    """The trainer's sender for `cfg.sync.sync_method`, publishing in `cfg.rollout.dtype`."""
+    """The trainer's sender for `cfg.sync.sync_method`, publishing in `cfg.rollout.dtype` (as this host resolves
+    `auto`)."""
     import torch
 
     from rlbus.weights.checkpoint import CheckpointSender
+    from rlbus.weights.models import rollout_dtype
 
-    dtype = getattr(torch, cfg.rollout.dtype)
+    dtype = getattr(torch, rollout_dtype(cfg.rollout.dtype))
     checkpoint = CheckpointSender(weights_dir, base_model_dir, dtype=dtype, server=make_server(cfg, weights_dir))
     if cfg.sync.sync_method == "nccl":
         from rlbus.weights.broadcaster import BroadcastSender

@@ -198,6 +198,29 @@ def test_rollout_settings_reach_peers_and_a_disagreeing_peer_is_refused(broker_f
     assert recv(other).header["code"] == "bad_field"
 
 
+def test_an_auto_dtype_run_takes_the_first_dtype_a_peer_reports_and_keeps_it_across_a_restart(broker_factory,
+                                                                                               raw_dealer):
+    b = broker_factory("rollout.dtype=auto")
+
+    def hello(name: str, rollout: dict) -> P.Message:
+        sock = raw_dealer(b.address)
+        sock.send_multipart(P.encode(P.HELLO, {"role": "explorer", "name": name, "req": 1, "rollout": rollout}))
+        return recv(sock)
+
+    assert hello("says-nothing", {}).header["rollout"]["dtype"] == "auto"  # nobody has reported one yet
+    assert hello("first", {"dtype": "float32"}).header["rollout"]["dtype"] == "float32"
+    refused = hello("second", {"dtype": "bfloat16"})
+    assert refused.command == P.ERROR and refused.header["code"] == "conflict"
+    assert "rollout.dtype: this peer has 'bfloat16', the run 'float32'" in refused.header["message"]
+    nonsense = hello("third", {"dtype": "int8"})
+    assert nonsense.command == P.ERROR and "rollout.dtype" in nonsense.header["message"]
+    assert hello("fourth", {"dtype": "auto"}).header["rollout"]["dtype"] == "float32"  # auto takes the run's
+    b.stop()
+    b.start()
+    assert hello("after-restart", {"dtype": "bfloat16"}).header["code"] == "conflict"
+    assert hello("agrees", {"dtype": "float32"}).command == P.WELCOME
+
+
 def test_old_rollout_keys_are_a_clear_config_error():
     from rlbus.common.config import ConfigError, load_config
 

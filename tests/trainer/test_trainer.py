@@ -271,6 +271,21 @@ def test_autocast_auto_takes_bfloat16_only_where_the_cpu_computes_in_it(monkeypa
     assert autocast_dtype("off", cpu) is None and autocast_dtype("bfloat16", cpu) == torch.bfloat16
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_rollout_dtype_auto_takes_bfloat16_only_where_the_host_computes_in_it(monkeypatch, native):
+    from rlbus.common.config import load_config
+    from rlbus.weights.models import rollout_dtype, with_rollout_dtype
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
+        monkeypatch.setattr(torch.cpu, probe, lambda: native, raising=False)
+    cfg = load_config(None, [], environ={})
+    resolved = with_rollout_dtype(cfg)
+    assert resolved.rollout.dtype == ("bfloat16" if native else "float32") and cfg.rollout.dtype == "auto"
+    explicit = load_config(None, ["rollout.dtype=float16"], environ={})
+    assert with_rollout_dtype(explicit) is explicit and rollout_dtype("float16") == "float16"
+
+
 def test_the_trainer_says_what_autocast_auto_chose_and_records_it_for_replay(broker_factory, clients, tiny_model,
                                                                               tmp_path):
     import json
@@ -278,12 +293,15 @@ def test_the_trainer_says_what_autocast_auto_chose_and_records_it_for_replay(bro
     from rlbus.trainer.checkpoint import RECORD, write_record
     from rlbus.trainer.main import Trainer
     from rlbus.trainer.model import autocast_dtype
+    from rlbus.weights.models import rollout_dtype
 
     b = broker_factory("rollout.repeat=4", "data.batch_tasks=2")
     here = autocast_dtype("auto", torch.device("cpu"))
     with capture_logs() as logs:
-        trainer = Trainer(trainer_config(b, tmp_path, "trainer.autocast=auto"), tiny_model)
+        trainer = Trainer(trainer_config(b, tmp_path, "trainer.autocast=auto", "rollout.dtype=auto"), tiny_model)
     chose = next(e for e in logs if e["event"] == "trainer_autocast")
     assert chose["dtype"] == ("bfloat16" if here else "off") and trainer.autocast == here
     write_record(trainer.cfg, tiny_model, 0, trainer.autocast_name)
-    assert json.loads((tmp_path / "run" / RECORD).read_text())["autocast"] == chose["dtype"]
+    record = json.loads((tmp_path / "run" / RECORD).read_text())
+    # Both as this host resolved them: a replay elsewhere trains and publishes as the run did.
+    assert record["autocast"] == chose["dtype"] and record["config"]["rollout"]["dtype"] == rollout_dtype("auto")
