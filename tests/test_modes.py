@@ -74,15 +74,20 @@ def overlaps(a, b) -> bool:
 def learning_runs(tiny_model, tmp_path_factory):
     """The synchronous and fully asynchronous presets, each run once with the learnable reward: preset ->
     (run directory, config)."""
-    runs: dict[str, tuple[Path, dict]] = {}
+    runs: dict[str, tuple[Path, dict] | BaseException] = {}
 
     def run(preset: str) -> tuple[Path, dict]:
         if preset not in runs:
-            runs[preset] = run_preset(
-                preset, tiny_model, tmp_path_factory.mktemp(preset), "reward.fn=tests.helpers.first_token:score",
-                "rollout.max_tokens=1", "trainer.lr=1e-2", f"trainer.total_steps={LEARNING_STEPS}",
-                "rollout.repeat=8", "data.batch_tasks=4", "explorer.tasks_per_lease=4",
-                "algorithm.skip_zero_spread=true", "algorithm.informative_wait_s=2", timeout=600)
+            try:
+                runs[preset] = run_preset(
+                    preset, tiny_model, tmp_path_factory.mktemp(preset), "reward.fn=tests.helpers.first_token:score",
+                    "rollout.max_tokens=1", "trainer.lr=1e-2", f"trainer.total_steps={LEARNING_STEPS}",
+                    "rollout.repeat=8", "data.batch_tasks=4", "explorer.tasks_per_lease=4",
+                    "algorithm.skip_zero_spread=true", "algorithm.informative_wait_s=2", timeout=600)
+            except (Exception, pytest.fail.Exception) as exc:  # a failed run fails every check on it, once
+                runs[preset] = exc
+        if isinstance(runs[preset], BaseException):
+            raise runs[preset]
         return runs[preset]
 
     return run
