@@ -3,9 +3,11 @@
 Everything goes into one run directory: `config.yaml` (the effective config,
 which every child reads), `logs/<component>.jsonl` (structured logs) and
 `logs/<component>.out` (anything else a child prints), the buffer, the
-weights and the checkpoints. Children start in order (broker, trainer,
-explorers), each in its own process group (so stopping one stops its vLLM
-engine processes too) and, if configured, pinned to its cores.
+weights and the checkpoints. With `broker.port` and `broker.pub_port` 0 the
+broker binds free ports, which go into `config.yaml` before anything else
+starts. Children start in order (broker, trainer, explorers), each in its
+own process group (so stopping one stops its vLLM engine processes too)
+and, if configured, pinned to its cores.
 
 While they run, a progress line shows the trainer's step and reward, each
 explorer's policy version, the buffer depth and how many explorers are
