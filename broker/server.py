@@ -57,6 +57,8 @@ class Broker:
         self.store.set_meta("started_at", self.started_at)
         self.peers = Peers()
         self.rollout = RunRollout(cfg, self.store)
+        self.explorers_seen: set[str] = set()  # names of the explorers that ever joined (trainer.wait_for_explorers)
+        self.started = time.monotonic()
         self.tasks = TaskQueue(self.store.catalog, make_taskset(cfg.data), cfg.data.batch_tasks,
                                bcfg.lease_timeout_s, cfg.data.revisit, cfg.data.revisit_times)
         self.buffer = Buffer(cfg, self.store, self.tasks, self.peers, self, self.ctx)
@@ -253,6 +255,8 @@ class Broker:
             self._drop(previous, "renamed")  # one connection, one name: the old one's leases go back
         peer, reconnect = self.peers.join(identity, h, now)
         self.rollout.admit(h.get("rollout", {}), peer.name)
+        if peer.role == "explorer":
+            self.explorers_seen.add(peer.name)
         log.info("peer_joined", peer=peer.name, role=peer.role, policy_version=peer.policy_version,
                  reconnect=reconnect, peers=len(self.peers))
         s = self.cfg.sync
@@ -299,6 +303,10 @@ class Broker:
         room = self.cfg.buffer.capacity - self.store.depth - len(self.tasks.leases) * self.cfg.rollout.repeat
         if room < self.cfg.rollout.repeat:
             return self.reply(peer.identity, msg, P.WAIT, {"reason": "buffer_full", "retry_after_s": self.hb})
+        t = self.cfg.trainer  # a fresh run starts its explorers together, as its trainer waits for them all
+        if (self.buffer.trainer_step == 0 and len(self.explorers_seen) < t.wait_for_explorers
+                and time.monotonic() - self.started < t.wait_for_explorers_s):
+            return self.reply(peer.identity, msg, P.WAIT, {"reason": "explorers", "retry_after_s": self.hb})
         max_tasks = min(msg.header["max_tasks"], max(1, room // self.cfg.rollout.repeat))
         granted = self.tasks.lease(peer.name, max_tasks, now, lambda e: self.refusal(e, version) is None)
         if granted:

@@ -221,6 +221,16 @@ def test_an_auto_dtype_run_takes_the_first_dtype_a_peer_reports_and_keeps_it_acr
     assert hello("agrees", {"dtype": "float32"}).command == P.WELCOME
 
 
+def test_a_fresh_run_leases_no_task_before_the_explorers_it_waits_for_have_joined(broker_factory, clients):
+    b = broker_factory("trainer.wait_for_explorers=2", "trainer.wait_for_explorers_s=60", "rollout.repeat=2")
+    first = clients(b, "explorer", "first")
+    held = first.request(P.LEASE, {"max_tasks": 1, "policy_version": 0})
+    assert held.command == P.WAIT and held.header["reason"] == "explorers"
+    second = clients(b, "explorer", "second")
+    assert second.request(P.LEASE, {"max_tasks": 1, "policy_version": 0}).command == P.TASKS
+    assert first.request(P.LEASE, {"max_tasks": 1, "policy_version": 0}).command == P.TASKS
+
+
 def test_old_rollout_keys_are_a_clear_config_error():
     from rlbus.common.config import ConfigError, load_config
 
