@@ -255,8 +255,8 @@ class Broker:
             self._drop(previous, "renamed")  # one connection, one name: the old one's leases go back
         peer, reconnect = self.peers.join(identity, h, now)
         self.rollout.admit(h.get("rollout", {}), peer.name)
-        if peer.role == "explorer":
-            self.explorers_seen.add(peer.name)
+        if peer.role == "explorer" and len(self.explorers_seen) < self.cfg.trainer.wait_for_explorers:
+            self.explorers_seen.add(peer.name)  # bounded: only the count up to the wait matters
         log.info("peer_joined", peer=peer.name, role=peer.role, policy_version=peer.policy_version,
                  reconnect=reconnect, peers=len(self.peers))
         s = self.cfg.sync
