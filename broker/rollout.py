@@ -9,18 +9,18 @@ refused like any other difference, with the field named.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, get_args
 
 import structlog
 
 from rlbus.broker.store import Store
-from rlbus.common.config import RunConfig
+from rlbus.common.config import RolloutConfig, RunConfig
 from rlbus.common.messages import Rollout, fields
 
 log = structlog.get_logger()
 
 FIELDS = fields(Rollout)
-DTYPES = ("bfloat16", "float16", "float32")
+DTYPES = tuple(d for d in get_args(RolloutConfig.model_fields["dtype"].annotation) if d != "auto")
 _PINNED = "rollout_dtype"  # the store's meta key
 
 
