@@ -83,3 +83,22 @@ def test_deterministic_training_on_cuda_repeats_bit_for_bit(tiny_model, tmp_path
     (norms_a, weights_a), (norms_b, weights_b) = runs
     assert norms_a == norms_b
     assert all(torch.equal(a, b) for a, b in zip(weights_a, weights_b))
+
+
+def test_auto_precision_on_cuda_trains_and_publishes_in_bfloat16(tiny_model, tmp_path):
+    # `trainer.autocast: auto` and `rollout.dtype: auto` (the default) on a GPU that computes in bfloat16: the
+    # trainer steps under bfloat16 autocast and its run records (and publishes in) bfloat16.
+    from rlbus.common.config import load_config
+    from rlbus.trainer.main import Trainer
+    from rlbus.weights.models import rollout_dtype
+
+    if not torch.cuda.is_bf16_supported():
+        pytest.skip("this GPU does not compute in bfloat16")
+    cfg = load_config(None, [f"run.dir={tmp_path}", "trainer.device=cuda", "trainer.autocast=auto", "sync.serve=false"],
+                      environ={})
+    assert cfg.rollout.dtype == "auto"
+    trainer = Trainer(cfg, tiny_model)
+    assert (trainer.autocast, trainer.autocast_name) == (torch.bfloat16, "bfloat16")
+    assert trainer.cfg.rollout.dtype == rollout_dtype("auto") == "bfloat16"
+    metrics = trainer.train_on(example(seed=3))
+    assert all(np.isfinite(metrics[k]) for k in ("loss", "entropy", "grad_norm"))
