@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Iterator
 
+from rlbus.broker import endpoints
 from rlbus.common.processes import terminate_with
 
 REPO = Path(__file__).resolve().parent.parent
@@ -32,15 +31,10 @@ class Broker:
 
 def bound_ports(buffer_dir: Path, proc: subprocess.Popen) -> tuple[int, int]:
     """The request and bus ports of the broker `proc` (started with `broker.port=0`), once it serves."""
-    endpoints = Path(buffer_dir) / "endpoints.json"
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the broker exited with {proc.returncode}")
-        if endpoints.exists():
-            bound = json.loads(endpoints.read_text())
-            if bound["pid"] == proc.pid:
-                return tuple(int(bound[k].rpartition(":")[2]) for k in ("router", "pub"))
-        time.sleep(0.05)
+    ports = endpoints.bound_ports(buffer_dir, proc)
+    if ports is None:
+        raise RuntimeError(f"the broker exited with {proc.returncode}")
+    return ports
 
 
 @contextmanager

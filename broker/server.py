@@ -14,8 +14,6 @@ line; nothing a peer sends can stop the loop or lose acknowledged data.
 
 from __future__ import annotations
 
-import json
-import os
 import time
 import uuid
 from typing import Any, Callable
@@ -23,6 +21,7 @@ from typing import Any, Callable
 import structlog
 import zmq
 
+from rlbus.broker import endpoints
 from rlbus.broker.bus import WeightBus
 from rlbus.broker.peers import Peer, Peers
 from rlbus.broker.rewards import RewardRouter
@@ -100,12 +99,7 @@ class Broker:
     # ---- loop -------------------------------------------------------------
 
     def serve(self, stop_after: float | None = None) -> None:
-        endpoints = {"router": f"tcp://{self.cfg.broker.host}:{self.port}",
-                     "pub": f"tcp://{self.cfg.broker.host}:{self.pub_port}", "pid": os.getpid()}
-        path = self.cfg.buffer_dir() / "endpoints.json"
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(endpoints))
-        os.replace(tmp, path)  # readers that poll for the file never see it half written
+        endpoints.write(self.cfg.buffer_dir(), self.cfg.broker.host, self.port, self.pub_port)
         log.info("broker_ready", run_id=self.run_id, port=self.port, pub_port=self.pub_port,
                  depth=self.store.depth, trainer_step=self.buffer.trainer_step,
                  weights_version=self.bus.state["version"], curve=self._auth is not None)

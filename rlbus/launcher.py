@@ -33,6 +33,7 @@ from pathlib import Path
 
 import structlog
 
+from rlbus.broker import endpoints
 from rlbus.common.config import RunConfig, dump_config, parse_cpus
 from rlbus.common.processes import terminate_with
 from rlbus.logview import events, last_event
@@ -117,17 +118,16 @@ class Launcher:
             except ProcessLookupError:
                 pass
 
-    def _wait_broker(self, timeout: float = 60.0) -> None:
-        endpoints = self.cfg.buffer_dir() / "endpoints.json"
+    def _wait_broker(self, timeout: float = 60.0) -> tuple[int, int]:
+        """The ports the broker bound, once it serves."""
         broker = self.children[0]
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if endpoints.exists() and json.loads(endpoints.read_text()).get("pid") == broker.proc.pid:
-                return
-            if broker.proc.poll() is not None:
-                raise RuntimeError(f"the broker exited with {broker.proc.returncode}; see {self.logs}/broker.out")
-            time.sleep(0.1)
-        raise TimeoutError(f"the broker did not start within {timeout} s; see {self.logs}/broker.out")
+        try:
+            ports = endpoints.bound_ports(self.cfg.buffer_dir(), broker.proc, timeout)
+        except TimeoutError as e:
+            raise TimeoutError(f"{e}; see {self.logs}/broker.out") from None
+        if ports is None:
+            raise RuntimeError(f"the broker exited with {broker.proc.returncode}; see {self.logs}/broker.out")
+        return ports
 
     def stop(self, *_: object) -> None:
         self._stopping = True
@@ -183,10 +183,9 @@ class Launcher:
         log.info("run_starting", run_dir=str(self.run_dir), components=[c.name for c in self.children])
         try:
             self._start(self.children[0])
-            self._wait_broker()
+            ports = self._wait_broker()
             if not (self.cfg.broker.port and self.cfg.broker.pub_port):
-                bound = json.loads((self.cfg.buffer_dir() / "endpoints.json").read_text())
-                self._pin_ports(self.cfg, *(int(bound[k].rpartition(":")[2]) for k in ("router", "pub")))
+                self._pin_ports(self.cfg, *ports)
                 self.snapshot.write_text(dump_config(self.cfg))  # the others, and a restarted broker, read these
             for child in self.children[1:]:
                 self._start(child)

@@ -7,7 +7,6 @@ first, so that none of them is left to run alone at the end.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
@@ -20,6 +19,7 @@ from pathlib import Path
 import pytest
 import zmq
 
+from rlbus.broker import endpoints
 from rlbus.common import protocol as P
 from rlbus.common.client import BrokerClient
 from rlbus.logview import events
@@ -118,23 +118,15 @@ class BrokerProcess:
         return f"tcp://127.0.0.1:{self.pub_port}"
 
     def start(self, timeout: float = 20.0) -> "BrokerProcess":
-        endpoints = self.data_dir / "endpoints.json"
-        if endpoints.exists():
-            endpoints.unlink()
         args = [sys.executable, "-m", "rlbus.cli", "broker"]
         for s in self.sets:
             args += ["--set", s]
         # stderr to a file, not a pipe: a pipe nobody drains fills up and stops the broker mid-write.
         with open(self.stderr_path, "ab") as err:
             self.proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=err)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if endpoints.exists() and json.loads(endpoints.read_text())["pid"] == self.proc.pid:
-                return self
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"broker exited: {self.stderr_path.read_text(errors='replace')[-2000:]}")
-            time.sleep(0.05)
-        raise TimeoutError("broker did not start")
+        if endpoints.bound_ports(self.data_dir, self.proc, timeout) is None:
+            raise RuntimeError(f"broker exited: {self.stderr_path.read_text(errors='replace')[-2000:]}")
+        return self
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         if self.proc and self.proc.poll() is None:
