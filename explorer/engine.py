@@ -37,7 +37,7 @@ from typing import Sequence
 import structlog
 
 from rlbus.common import metrics
-from rlbus.explorer.lifeline import owning_engines
+from rlbus.explorer.lifeline import owning_engines, remove_sockets
 
 log = structlog.get_logger()
 
@@ -82,7 +82,7 @@ class Engine:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
 
-        with owning_engines():  # its processes end when this one does, even by SIGKILL
+        with owning_engines() as self._sockets:  # its processes end when this one does, even by SIGKILL
             self.llm = LLM(model=model, dtype=dtype, seed=seed, max_model_len=max_model_len,
                            gpu_memory_utilization=memory_fraction, enforce_eager=enforce_eager,
                            kv_cache_memory_bytes=None if kv_cache_mb is None else kv_cache_mb << 20,
@@ -213,6 +213,7 @@ class Engine:
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()
+            remove_sockets(self._sockets)
             log.info("engine_stopped", model=self.model)
 
     def __enter__(self) -> "Engine":

@@ -16,37 +16,84 @@ owner it arranges the same for processes vLLM forks, which inherit the
 "plugins already loaded" flag and would not run it again.
 
 A pidfd names one process, not a number: a recycled pid cannot fool it.
+
+vLLM's processes talk over Unix sockets that it creates in the temporary
+directory (`ipc://`), and only a clean close removes them: every SIGKILLed
+explorer would leave a few in /tmp for good. While it starts its engine the
+explorer gives vLLM a directory of its own for them (`rlbus-PID-*`, through
+`VLLM_RPC_BASE_PATH`, unless the user set that); the engine's close removes
+it, an engine process whose owner is gone removes it before it ends, and
+each engine started on the host removes those of owners that are gone.
 """
 
 from __future__ import annotations
 
 import os
 import select
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Iterator
 
 OWNER_ENV = "RLBUS_ENGINE_OWNER_PID"
+RPC_ENV = "VLLM_RPC_BASE_PATH"  # where vLLM creates its ipc:// sockets
+RPC_PREFIX = "rlbus-"
 
 _watching_in: int | None = None  # the pid of the process whose watch thread runs
 _fork_hook_set = False
 
 
 @contextmanager
-def owning_engines() -> Iterator[None]:
-    """Name this process the owner of the vLLM processes started inside the block."""
-    before = os.environ.get(OWNER_ENV)
+def owning_engines() -> Iterator[Path | None]:
+    """Name this process the owner of the vLLM processes started inside the block, and give them a socket
+    directory of their own; yields it (None where the user chose one with VLLM_RPC_BASE_PATH), for
+    `remove_sockets` when the engine closes."""
+    saved = {k: os.environ.get(k) for k in (OWNER_ENV, RPC_ENV)}
     os.environ[OWNER_ENV] = str(os.getpid())
+    sockets = None
+    if saved[RPC_ENV] is None:
+        _remove_orphaned_sockets()
+        sockets = Path(tempfile.mkdtemp(prefix=f"{RPC_PREFIX}{os.getpid()}-"))
+        os.environ[RPC_ENV] = str(sockets)
     register()
     try:
-        yield
+        yield sockets
+    except BaseException:
+        remove_sockets(sockets)
+        raise
     finally:
-        if before is None:
-            os.environ.pop(OWNER_ENV, None)
-        else:
-            os.environ[OWNER_ENV] = before
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def remove_sockets(sockets: Path | None) -> None:
+    if sockets is not None:
+        shutil.rmtree(sockets, ignore_errors=True)
+
+
+def _remove_orphaned_sockets() -> None:
+    """The socket directories of explorers that are gone (SIGKILLed with their engine processes)."""
+    for path in Path(tempfile.gettempdir()).glob(f"{RPC_PREFIX}*-*"):
+        pid = path.name.removeprefix(RPC_PREFIX).partition("-")[0]
+        if pid.isascii() and pid.isdigit() and not _alive(int(pid)) and path.is_dir():
+            remove_sockets(path)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def register() -> None:
@@ -109,4 +156,7 @@ def _wait(owner: int, fd: int | None, parent: int) -> None:
 def _end(owner: int) -> None:
     print(f"rlbus: the explorer (pid {owner}) that started this vLLM process is gone; pid {os.getpid()} exits",
           file=sys.stderr, flush=True)
+    sockets = os.environ.get(RPC_ENV, "")
+    if Path(sockets).name.startswith(f"{RPC_PREFIX}{owner}-"):  # the directory its owner made, not the user's
+        remove_sockets(Path(sockets))
     os.kill(os.getpid(), signal.SIGKILL)

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import stat
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -63,7 +66,7 @@ def test_explorer_killed_mid_batch_has_its_leases_reissued(broker_factory, clien
         victim.wait(10)
 
 
-def _start_explorer(b, name: str, tmp_path, *sets: str) -> subprocess.Popen:
+def _start_explorer(b, name: str, tmp_path, *sets: str, env: dict | None = None) -> subprocess.Popen:
     """A standalone `rlbus explorer` in a session of its own, logging JSON to tmp_path/NAME.jsonl."""
     args = [sys.executable, "-m", "rlbus.cli", "explorer", "--broker", b.address, "--name", name]
     for s in (f"broker.pub_port={b.pub_port}", "broker.heartbeat_interval_s=0.2", "rollout.dtype=float32",
@@ -71,7 +74,7 @@ def _start_explorer(b, name: str, tmp_path, *sets: str) -> subprocess.Popen:
               "logging.format=json", f"logging.file={tmp_path}/{name}.jsonl", *sets):
         args += ["--set", s]
     return subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"{name}.err", "w"),
-                            start_new_session=True)
+                            start_new_session=True, env=None if env is None else {**os.environ, **env})
 
 
 def _wait_for_lease(tool, proc: subprocess.Popen, name: str, tmp_path) -> int:
@@ -123,26 +126,38 @@ def test_sigterm_finishes_the_batch_puts_it_and_says_bye(broker_factory, clients
         _stop_group(proc)
 
 
-def test_sigkilled_explorer_takes_its_engine_processes_with_it(broker_factory, clients, tiny_model, tmp_path):
-    """vLLM's engine core in a process of its own (as on GPUs) ends when its explorer is SIGKILLed: only
-    the explorer's pid is killed, as the OOM killer or `kill -9` would."""
+def _sockets(root) -> list[str]:
+    return [os.path.join(d, f) for d, _, files in os.walk(root) for f in files
+            if stat.S_ISSOCK(os.lstat(os.path.join(d, f)).st_mode)]
+
+
+def test_sigkilled_explorer_takes_its_engine_processes_and_their_sockets_with_it(broker_factory, clients,
+                                                                                 tiny_model, tmp_path):
+    """vLLM's engine core in a process of its own (as on GPUs) ends when its explorer is SIGKILLed, and the
+    Unix sockets they talked over go too: only the explorer's pid is killed, as the OOM killer or `kill -9`
+    would."""
     import psutil
 
     b = broker_factory("sync.sync_style=async", "sync.max_staleness=100", "rollout.repeat=4", "data.batch_tasks=2",
                        "rollout.max_tokens=200")
     tool = clients(b, "tool", "watch")
-    proc = _start_explorer(b, "doomed", tmp_path, f"model.path={tiny_model}", "explorer.engine_core=process")
+    temp = tempfile.mkdtemp(prefix="rl")  # short: a Unix socket's path holds at most 107 bytes
+    proc = _start_explorer(b, "doomed", tmp_path, f"model.path={tiny_model}", "explorer.engine_core=process",
+                           env={"TMPDIR": temp})
     try:
         _wait_for_lease(tool, proc, "doomed", tmp_path)
         engine = psutil.Process(proc.pid).children(recursive=True)
         assert engine, "the engine core runs in a process of its own"
+        assert _sockets(temp), "vLLM's engine sockets are in the explorer's temporary directory"
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(10)
         _, alive = psutil.wait_procs(engine, timeout=15)
         assert not alive, f"outlived their explorer: {[(p.pid, p.name()) for p in alive]}"
         assert "rlbus: the explorer" in (tmp_path / "doomed.err").read_text(), "the engine said why it ended"
+        assert not _sockets(temp) and not [f for f in os.listdir(temp) if f.startswith("rlbus-")], os.listdir(temp)
     finally:
         _stop_group(proc)
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 def test_sigterm_with_the_broker_gone_too_exits_instead_of_waiting(broker_factory, clients, tiny_model, tmp_path):
