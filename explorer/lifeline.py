@@ -42,6 +42,7 @@ from typing import Iterator
 OWNER_ENV = "RLBUS_ENGINE_OWNER_PID"
 RPC_ENV = "VLLM_RPC_BASE_PATH"  # where vLLM creates its ipc:// sockets
 RPC_PREFIX = "rlbus-"
+SOCKET_PATH_MAX = 107  # bytes in a Unix socket's path (sun_path, less its NUL)
 
 _watching_in: int | None = None  # the pid of the process whose watch thread runs
 _fork_hook_set = False
@@ -58,7 +59,11 @@ def owning_engines() -> Iterator[Path | None]:
     if saved[RPC_ENV] is None:
         _remove_orphaned_sockets()
         sockets = Path(tempfile.mkdtemp(prefix=f"{RPC_PREFIX}{os.getpid()}-"))
-        os.environ[RPC_ENV] = str(sockets)
+        if len(str(sockets)) + 1 + 36 <= SOCKET_PATH_MAX:  # vLLM names each socket by a uuid4
+            os.environ[RPC_ENV] = str(sockets)
+        else:  # a long TMPDIR: vLLM's own place, where its paths still fit
+            remove_sockets(sockets)
+            sockets = None
     register()
     try:
         yield sockets
