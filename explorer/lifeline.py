@@ -20,7 +20,7 @@ A pidfd names one process, not a number: a recycled pid cannot fool it.
 vLLM's processes talk over Unix sockets that it creates in the temporary
 directory (`ipc://`), and only a clean close removes them: every SIGKILLed
 explorer would leave a few in /tmp for good. While it starts its engine the
-explorer gives vLLM a directory of its own for them (`rlbus-PID-*`, through
+explorer gives vLLM a directory of its own for them (`rlbus-vllm-PID-*`, through
 `VLLM_RPC_BASE_PATH`, unless the user set that); the engine's close removes
 it, an engine process whose owner is gone removes it before it ends, and
 each engine started on the host removes those of owners that are gone.
@@ -41,7 +41,7 @@ from typing import Iterator
 
 OWNER_ENV = "RLBUS_ENGINE_OWNER_PID"
 RPC_ENV = "VLLM_RPC_BASE_PATH"  # where vLLM creates its ipc:// sockets
-RPC_PREFIX = "rlbus-"
+RPC_PREFIX = "rlbus-vllm-"
 SOCKET_PATH_MAX = 107  # bytes in a Unix socket's path (sun_path, less its NUL)
 
 _watching_in: int | None = None  # the pid of the process whose watch thread runs

@@ -27,15 +27,15 @@ def test_an_engine_start_removes_the_socket_directories_of_gone_explorers_only(m
     monkeypatch.delenv(lifeline.RPC_ENV, raising=False)
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
-    (short_tmp / f"rlbus-{gone.pid}-x1").mkdir()
-    (short_tmp / f"rlbus-{gone.pid}-x1" / "left").write_text("")
-    (short_tmp / f"rlbus-{os.getppid()}-x2").mkdir()  # a live explorer's
-    (short_tmp / "rlbus-notapid-x3").mkdir()
+    (short_tmp / f"rlbus-vllm-{gone.pid}-x1").mkdir()
+    (short_tmp / f"rlbus-vllm-{gone.pid}-x1" / "left").write_text("")
+    (short_tmp / f"rlbus-vllm-{os.getppid()}-x2").mkdir()  # a live explorer's
+    (short_tmp / "rlbus-vllm-notapid-x3").mkdir()
     with lifeline.owning_engines() as mine:
         assert os.environ[lifeline.RPC_ENV] == str(mine) and mine.parent == short_tmp
-        assert mine.name.startswith(f"rlbus-{os.getpid()}-")
+        assert mine.name.startswith(f"rlbus-vllm-{os.getpid()}-")
     assert sorted(p.name for p in short_tmp.iterdir()) == sorted(
-        [mine.name, f"rlbus-{os.getppid()}-x2", "rlbus-notapid-x3"])
+        [mine.name, f"rlbus-vllm-{os.getppid()}-x2", "rlbus-vllm-notapid-x3"])
     assert lifeline.RPC_ENV not in os.environ
     lifeline.remove_sockets(mine)
     assert not mine.exists()
