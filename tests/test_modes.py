@@ -198,17 +198,19 @@ def test_multi_explorer_async_by_broadcast(tiny_model, tmp_path):
 def test_streaming_explorers_swap_in_flight_one_at_a_time(tiny_model, tmp_path):
     """Three streaming explorers, max_swapping 1: versions are swapped in with requests in flight, trajectories
     that spanned a swap are trained, and no two explorers are ever paused for a load at once."""
-    # Versions must arrive while requests are in flight, whichever side is faster here. An explorer that reaches
-    # the staleness bound waits with nothing in flight, and the trainer's next step opens the bound at the moment
-    # it publishes: it loads that version idle. With the preset's bound (3) and swap_lag 2, explorers a little
-    # faster than the trainer reach it within a few steps. With a bound of STEPS - 1 they may queue up to seven
-    # steps of data at version 0, so the first swap (version 2, once the trainer has taken 4 groups) finds
-    # requests in flight unless they made about 14 groups meanwhile, over three times the trainer's pace; and
-    # the groups that spanned it are trained by step 7, within the run. Where the explorers are the slower side,
-    # every swap is in flight.
+    # Versions must arrive while requests are in flight, whichever side is faster here (the trainer's core may be
+    # the one another test loads). An explorer that reaches the staleness bound waits with nothing in flight, and
+    # the trainer's next step opens the bound at the moment it publishes: it loads that version idle. A bound of
+    # STEPS - 1 admits 16 groups at version 0; with swap_lag 1 the first swap comes once the trainer has taken 2
+    # groups and stepped once, so it finds requests in flight unless the explorers made about 11 groups in that
+    # one step, and the groups that spanned it are among the run's 16. Two samples a group halve the trainer's
+    # work without the explorers' (a decode step of two sequences costs about what one of four does here), so a
+    # trainer on a core shared four ways still steps within that. Where the explorers are the slower side, every
+    # swap is in flight.
     run_dir, info = run_preset("streaming", tiny_model, tmp_path, "launch.explorers=3", "rollout.max_tokens=128",
-                               "explorer.inflight_tasks=1", 'launch.trainer_cpus="0"',
-                               'launch.explorer_cpus=["1", "1", "1"]', f"sync.max_staleness={STEPS - 1}")
+                               "rollout.repeat=2", "explorer.swap_lag=1", "explorer.inflight_tasks=1",
+                               'launch.trainer_cpus="0"', 'launch.explorer_cpus=["1", "1", "1"]',
+                               f"sync.max_staleness={STEPS - 1}")
     names = explorer_names(run_dir)
     assert len(names) == 3 and all(events(run_dir, n, "explorer_groups") for n in names)
     loads = [(e["ts"] - e["seconds"], e["ts"], name, e["in_flight"]) for name in names
