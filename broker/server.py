@@ -297,9 +297,7 @@ class Broker:
         room = self.cfg.buffer.capacity - self.store.depth - len(self.tasks.leases) * self.cfg.rollout.repeat
         if room < self.cfg.rollout.repeat:
             return self.reply(peer.identity, msg, P.WAIT, {"reason": "buffer_full", "retry_after_s": self.hb})
-        t = self.cfg.trainer  # a fresh run starts its explorers together, as its trainer waits for them all
-        if (self.buffer.trainer_step == 0 and len(self.explorers_seen) < t.wait_for_explorers
-                and time.monotonic() - self.started < t.wait_for_explorers_s):
+        if self.awaiting_explorers():  # a fresh run starts its explorers together
             return self.reply(peer.identity, msg, P.WAIT, {"reason": "explorers", "retry_after_s": self.hb})
         max_tasks = min(msg.header["max_tasks"], max(1, room // self.cfg.rollout.repeat))
         granted = self.tasks.lease(peer.name, max_tasks, now, lambda e: self.refusal(e, version) is None)
@@ -337,6 +335,14 @@ class Broker:
             return self.reply(peer.identity, msg, P.ERROR, {"code": error.code, "message": error.message})
         self.reply(peer.identity, msg, P.OK, {})
 
+    def awaiting_explorers(self) -> bool:
+        """A fresh run hands out no task until `trainer.wait_for_explorers` explorers have joined, or until
+        `trainer.wait_for_explorers_s` has passed since the broker started; its trainer's first step waits with it
+        (STATUS `explorers_awaited`)."""
+        t = self.cfg.trainer
+        return (self.buffer.trainer_step == 0 and len(self.explorers_seen) < t.wait_for_explorers
+                and time.monotonic() - self.started < t.wait_for_explorers_s)
+
     def _status(self, peer: Peer, msg: P.Message) -> None:
         self.reply(peer.identity, msg, P.STATUS, self.status())
 
@@ -355,6 +361,8 @@ class Broker:
             "tasks": {"issued": self.tasks.next_seq, "leased": len(self.tasks.leases), "done": len(self.tasks.done),
                       "revisits": len(self.tasks.waiting)},
             "swapping": sorted(self.swaps.holders),
+            "explorers_awaited": {"expected": self.cfg.trainer.wait_for_explorers,
+                                  "joined": sorted(self.explorers_seen), "waiting": self.awaiting_explorers()},
         }
 
     # ---- periodic ---------------------------------------------------------

@@ -353,11 +353,13 @@ class TrainerConfig(Section):
     """How long the trainer waits for one reply from the broker before logging `broker_unreachable_waiting`
     and asking again. The trainer never gives up: a broker restart of any length only pauses training."""
     wait_for_explorers: int = Field(0, ge=0)
-    """A fresh run's first step waits until this many explorers have joined the broker (0: start at once), and
-    the broker (reading the same setting) leases no task before then, so that explorers whose engines start more
-    slowly take part from the start. `rlbus up` sets it to `launch.explorers` (see `launch.start_together`)."""
+    """The broker of a fresh run leases no task until this many explorers have joined it (0: at once), and the
+    trainer's first step waits with it, so that explorers whose engines start more slowly take part from the
+    start. The broker's setting decides (the trainer follows its STATUS). `rlbus up` sets it to
+    `launch.explorers` (see `launch.start_together`)."""
     wait_for_explorers_s: float = Field(600.0, gt=0)
-    """How long that wait lasts at most; then training starts with the explorers there are (logged)."""
+    """How long after the broker starts that wait lasts at most; then training starts with the explorers there
+    are (logged)."""
 
     @model_validator(mode="after")
     def _ranks(self) -> "TrainerConfig":

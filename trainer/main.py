@@ -288,28 +288,27 @@ class Trainer(Learner):
         log.warning("stopped_without_broker", step=self.step, policy_version=self.version, error=str(exc))
 
     def wait_for_explorers(self) -> None:
-        """Before a fresh run's first step: until `trainer.wait_for_explorers` explorers have joined, or
-        `trainer.wait_for_explorers_s` has passed (then it starts with those there are, and says so)."""
-        t = self.cfg.trainer
-        if not t.wait_for_explorers or self.step > 0:
+        """Before a fresh run's first step, while the broker holds the run's tasks for the explorers it waits for
+        (`trainer.wait_for_explorers` in the broker's config; STATUS `explorers_awaited`): says who has joined
+        every 10 s, then whether they all came or training starts without some."""
+        if self.step > 0:
             return
         started = time.monotonic()
         last_log = -math.inf
         while not self._stop:
-            status = self._request(P.STATUS, {}).header
-            joined = sorted(p["name"] for p in status["peers"] if p["role"] == "explorer")
+            awaited = self._request(P.STATUS, {}).header.get("explorers_awaited") or {}
+            expected, joined = awaited.get("expected", 0), awaited.get("joined", [])
             waited = time.monotonic() - started
-            if len(joined) >= t.wait_for_explorers:
-                log.info("explorers_joined", explorers=joined, waited_s=round(waited, 1))
-                return
-            if waited >= t.wait_for_explorers_s:
-                log.warning("explorers_missing", explorers=joined, expected=t.wait_for_explorers,
-                            waited_s=round(waited, 1), note="training starts with the explorers there are")
+            if not awaited.get("waiting"):
+                if len(joined) < expected:
+                    log.warning("explorers_missing", explorers=joined, expected=expected, waited_s=round(waited, 1),
+                                note="training starts with the explorers there are")
+                elif expected:
+                    log.info("explorers_joined", explorers=joined, waited_s=round(waited, 1))
                 return
             if waited - last_log >= 10:
                 last_log = waited
-                log.info("waiting_for_explorers", explorers=joined, expected=t.wait_for_explorers,
-                         waited_s=round(waited, 1))
+                log.info("waiting_for_explorers", explorers=joined, expected=expected, waited_s=round(waited, 1))
                 self._tell(Plan("wait"))
             time.sleep(0.2)
 

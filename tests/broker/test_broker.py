@@ -226,7 +226,11 @@ def test_a_fresh_run_leases_no_task_before_the_explorers_it_waits_for_have_joine
     first = clients(b, "explorer", "first")
     held = first.request(P.LEASE, {"max_tasks": 1, "policy_version": 0})
     assert held.command == P.WAIT and held.header["reason"] == "explorers"
+    awaited = first.request(P.STATUS, {}).header["explorers_awaited"]
+    assert awaited == {"expected": 2, "joined": ["first"], "waiting": True}
     second = clients(b, "explorer", "second")
+    awaited = first.request(P.STATUS, {}).header["explorers_awaited"]
+    assert awaited == {"expected": 2, "joined": ["first", "second"], "waiting": False}
     assert second.request(P.LEASE, {"max_tasks": 1, "policy_version": 0}).command == P.TASKS
     assert first.request(P.LEASE, {"max_tasks": 1, "policy_version": 0}).command == P.TASKS
 

@@ -159,17 +159,17 @@ def test_nothing_to_train_still_counts_as_the_step(broker_factory, clients, tiny
 
 
 def test_first_step_waits_for_the_explorers_it_was_told_of(broker_factory, clients, tiny_model, tmp_path):
-    """trainer.wait_for_explorers: no step before that many explorers have joined; one that joins late is
-    waited for."""
+    """trainer.wait_for_explorers (the broker's: the trainer's own config does not say it): no step before that
+    many explorers have joined, even with a batch's groups already stored; one that joins late is waited for."""
     import threading
 
     from rlbus.trainer.main import Trainer
 
-    b = broker_factory("sync.sync_style=async", "sync.max_staleness=4", "rollout.repeat=4", "data.batch_tasks=2")
+    b = broker_factory("sync.sync_style=async", "sync.max_staleness=4", "rollout.repeat=4", "data.batch_tasks=2",
+                       "trainer.wait_for_explorers=2")
     ex = clients(b, "explorer", "early")
     ex.put(synthetic("g1") + synthetic("g2"), timeout=10)
-    cfg = trainer_config(b, tmp_path, "sync.sync_style=async", "sync.max_staleness=4", "trainer.total_steps=1",
-                         "trainer.wait_for_explorers=2")
+    cfg = trainer_config(b, tmp_path, "sync.sync_style=async", "sync.max_staleness=4", "trainer.total_steps=1")
     trainer = Trainer(cfg, tiny_model)
     late = threading.Timer(1.5, lambda: clients(b, "explorer", "late"))
     with capture_logs() as logs:
@@ -184,14 +184,16 @@ def test_first_step_waits_for_the_explorers_it_was_told_of(broker_factory, clien
 def test_a_missing_explorer_is_waited_for_only_so_long(broker_factory, clients, tiny_model, tmp_path):
     from rlbus.trainer.main import Trainer
 
-    b = broker_factory("sync.sync_style=async", "sync.max_staleness=4", "rollout.repeat=4", "data.batch_tasks=2")
+    b = broker_factory("sync.sync_style=async", "sync.max_staleness=4", "rollout.repeat=4", "data.batch_tasks=2",
+                       "trainer.wait_for_explorers=2", "trainer.wait_for_explorers_s=1")
     ex = clients(b, "explorer", "only")
     ex.put(synthetic("g1") + synthetic("g2"), timeout=10)
-    cfg = trainer_config(b, tmp_path, "sync.sync_style=async", "sync.max_staleness=4", "trainer.total_steps=1",
-                         "trainer.wait_for_explorers=2", "trainer.wait_for_explorers_s=0.5")
+    cfg = trainer_config(b, tmp_path, "sync.sync_style=async", "sync.max_staleness=4", "trainer.total_steps=1")
     trainer = Trainer(cfg, tiny_model)
     with capture_logs() as logs:
         assert trainer.run() == 1
+    names = [e["event"] for e in logs]
+    assert names.index("explorers_missing") < names.index("train_step")
     missing = next(e for e in logs if e["event"] == "explorers_missing")
     assert missing["explorers"] == ["only"] and missing["expected"] == 2
     assert any(e["event"] == "train_step" and e["samples"] == 8 for e in logs)
