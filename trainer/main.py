@@ -296,10 +296,13 @@ class Trainer(Learner):
         started = time.monotonic()
         last_log = -math.inf
         while not self._stop:
-            awaited = self._request(P.STATUS, {}).header.get("explorers_awaited") or {}
+            status = self._request(P.STATUS, {}).header
+            awaited = status.get("explorers_awaited") or {}
             expected, joined = awaited.get("expected", 0), awaited.get("joined", [])
             waited = time.monotonic() - started
             if not awaited.get("waiting"):
+                if status.get("trainer_step", 0) > 0:  # the broker's run is past its start: nothing was awaited
+                    return
                 if len(joined) < expected:
                     log.warning("explorers_missing", explorers=joined, expected=expected, waited_s=round(waited, 1),
                                 note="training starts with the explorers there are")
