@@ -6,7 +6,10 @@ token a client keeps for its whole life) replaces the old identity, so a peer
 that reconnects keeps its name and with it its task leases; another process
 under a live peer's name is refused until that peer leaves or expires. Any
 message refreshes `last_seen`; peers silent for longer than the liveness
-window are handed back by `silent` for the broker to drop.
+window are handed back by `silent` for the broker to drop. Silence is counted
+only while the broker listens: a turn of its loop that takes longer than it
+should (the process starved on a loaded host, or stopped) is time in which
+its peers' messages waited unread, and it does not count against them.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ class Peer:
     role: str
     identity: bytes
     last_seen: float
+    heard: float  # last_seen on the listening clock (`Peers.turn`)
     policy_version: int = 0
     info: dict[str, Any] = field(default_factory=dict)
     last_sent: float = 0.0
@@ -32,6 +36,25 @@ class Peers:
     def __init__(self) -> None:
         self._by_identity: dict[bytes, Peer] = {}
         self._by_name: dict[str, Peer] = {}
+        self._away = 0.0  # seconds the broker was not listening: the listening clock is now - _away
+        self._last_turn: float | None = None
+
+    def turn(self, now: float, longest: float) -> float:
+        """At every turn of the broker's loop: a gap since the last turn beyond `longest` is time the broker did
+        not read its socket, kept off every peer's silence; returns the gap (0.0 when the turn was on time)."""
+        gap = 0.0 if self._last_turn is None else now - self._last_turn
+        self._last_turn = now
+        if gap <= longest:
+            return 0.0
+        self._away += gap - longest
+        return gap
+
+    def heard(self, peer: Peer, now: float) -> None:
+        peer.last_seen, peer.heard = now, now - self._away
+
+    def silence(self, peer: Peer, now: float) -> float:
+        """How long the broker has listened without hearing from `peer`."""
+        return now - self._away - peer.heard
 
     def get(self, identity: bytes) -> Peer | None:
         return self._by_identity.get(identity)
@@ -66,7 +89,7 @@ class Peers:
         old = self._by_name.get(hello["name"])
         if old is not None:
             self._by_identity.pop(old.identity, None)
-        peer = Peer(hello["name"], hello["role"], identity, now, hello.get("policy_version", 0),
+        peer = Peer(hello["name"], hello["role"], identity, now, now - self._away, hello.get("policy_version", 0),
                     {"pid": hello.get("pid"), "host": hello.get("host"), "session": hello.get("session"),
                      "capabilities": hello.get("capabilities", {})})
         self._by_identity[identity] = peer
@@ -79,4 +102,4 @@ class Peers:
             del self._by_name[peer.name]
 
     def silent(self, now: float, expiry: float) -> list[Peer]:
-        return [p for p in self._by_identity.values() if now - p.last_seen > expiry]
+        return [p for p in self._by_identity.values() if self.silence(p, now) > expiry]

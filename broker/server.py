@@ -107,6 +107,7 @@ class Broker:
         poller.register(self.router, zmq.POLLIN)
         poller.register(self.buffer.writer.done, zmq.POLLIN)
         end = None if stop_after is None else time.monotonic() + stop_after
+        self.peers.turn(time.time(), self.hb)  # the listening clock starts: a stall before the first tick counts
         while self._running and (end is None or time.monotonic() < end):
             events = dict(poller.poll(self._poll_timeout_ms()))
             if self.buffer.writer.done in events:
@@ -142,7 +143,7 @@ class Broker:
                 continue
             peer = self.peers.get(identity)
             if peer is not None:
-                peer.last_seen = time.time()
+                self.peers.heard(peer, time.time())
             if msg.command == P.PUT:
                 puts.append((identity, msg))
                 continue
@@ -233,7 +234,7 @@ class Broker:
                     "code": "conflict", "message": f"trainer {other.name!r} is already connected; one trainer per run"})
         holder = self.peers.holder(h, identity)
         if holder is not None:
-            wait = max(0.0, self.expiry - (now - holder.last_seen))
+            wait = max(0.0, self.expiry - self.peers.silence(holder, now))
             return self.reply(identity, msg, P.ERROR, {
                 "code": "conflict", "retry_after_s": round(wait + self.hb, 3),
                 "message": f"name {h['name']!r} belongs to a live {holder.role} (last heard "
@@ -336,9 +337,8 @@ class Broker:
         self.reply(peer.identity, msg, P.OK, {})
 
     def awaiting_explorers(self) -> bool:
-        """A fresh run hands out no task until `trainer.wait_for_explorers` explorers have joined, or until
-        `trainer.wait_for_explorers_s` has passed since the broker started; its trainer's first step waits with it
-        (STATUS `explorers_awaited`)."""
+        """A fresh run hands out no task until `trainer.wait_for_explorers` explorers have joined or
+        `trainer.wait_for_explorers_s` has passed since the broker started (STATUS `explorers_awaited`)."""
         t = self.cfg.trainer
         return (self.buffer.trainer_step == 0 and len(self.explorers_seen) < t.wait_for_explorers
                 and time.monotonic() - self.started < t.wait_for_explorers_s)
@@ -369,6 +369,9 @@ class Broker:
 
     def _tick(self) -> None:
         now = time.time()
+        stalled = self.peers.turn(now, self.hb)  # a turn is one poll (hb / 2) and its work: beyond hb, not reading
+        if stalled:
+            log.warning("broker_stalled", seconds=round(stalled, 2), note="not counted against its peers' liveness")
         self.buffer.expire_held(now)
         if now - self._last_tick < self.hb / 2:
             return

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import pytest
@@ -50,6 +52,27 @@ def test_silent_peer_expires_and_its_leases_return(broker, clients, raw_dealer):
     again = other.request(P.LEASE, {"max_tasks": 2, "policy_version": 0})
     assert sorted(t["seq"] for t in again.header["tasks"]) == seqs
     assert all(t["lease_id"].endswith(".1") for t in again.header["tasks"])
+
+
+def test_a_stalled_broker_keeps_the_peers_that_went_on_talking_and_drops_the_silent(broker, clients, raw_dealer):
+    """The broker's own stall (here SIGSTOP; on a loaded host, a starved process) is not its peers' silence: a
+    peer whose heartbeats waited in the socket meanwhile is kept, and one that went quiet still expires."""
+    talker = clients(broker, "explorer", "talker")
+    mute = raw_dealer(broker.address)
+    mute.send_multipart(P.encode(P.HELLO, {"role": "explorer", "name": "mute", "req": 1}))
+    assert recv(mute).command == P.WELCOME
+    os.kill(broker.proc.pid, signal.SIGSTOP)
+    try:
+        time.sleep(3)  # three liveness windows (heartbeats every 0.2 s, liveness 5)
+    finally:
+        os.kill(broker.proc.pid, signal.SIGCONT)
+    tool = clients(broker, "tool", "watcher")
+    assert wait_for(lambda: "mute" not in {p["name"] for p in status(tool)["peers"]}, 5)
+    events = broker.log_events()
+    assert any(e["event"] == "broker_stalled" and e["seconds"] >= 2.5 for e in events)
+    left = [e for e in events if e["event"] == "peer_left"]
+    assert [e["peer"] for e in left] == ["mute"] and left[0]["reason"] == "expired"
+    assert talker.request(P.LEASE, {"max_tasks": 1, "policy_version": 0}).command == P.TASKS
 
 
 def test_expired_lease_is_reissued(broker_factory, clients):
