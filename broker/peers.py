@@ -42,11 +42,14 @@ class Peers:
     def turn(self, now: float, longest: float) -> float:
         """At every turn of the broker's loop: a gap since the last turn beyond `longest` is time the broker did
         not read its socket, kept off every peer's silence; returns the gap (0.0 when the turn was on time)."""
-        gap = 0.0 if self._last_turn is None else now - self._last_turn
-        self._last_turn = now
+        previous, self._last_turn = self._last_turn, now
+        gap = 0.0 if previous is None else now - previous
         if gap <= longest:
             return 0.0
         self._away += gap - longest
+        for peer in self._by_identity.values():  # read during this turn, before or after the stall: as of its end
+            if peer.last_seen > previous:
+                peer.heard = now - self._away
         return gap
 
     def heard(self, peer: Peer, now: float) -> None:

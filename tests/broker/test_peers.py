@@ -61,3 +61,19 @@ def test_a_broker_slow_at_every_turn_still_drops_a_silent_peer():
     t += 3.0
     peers.turn(t, longest=1.0)
     assert peers.silent(t, expiry=5.0) == [mute]
+
+
+def test_a_peer_read_in_the_stalled_turn_is_silent_from_the_turns_end():
+    """A message read in the same turn as a stall (before it or after it: the broker cannot tell) counts as heard
+    at the turn's end, so the stall is neither counted against that peer nor added to its life after it."""
+    for read_at in (100.2, 110.4):  # just before the process starves for ten seconds, or just after
+        peers = Peers()
+        peer, _ = peers.join(b"p", {"name": "late", "role": "explorer"}, now=100.0)
+        peers.turn(100.0, longest=1.0)
+        peers.heard(peer, read_at)
+        assert peers.turn(110.5, longest=1.0) == 10.5
+        assert peers.silence(peer, 110.5) == 0.0
+        regular_turns(peers, 110.5, 115.5)
+        assert peers.silent(115.5, expiry=5.0) == []
+        regular_turns(peers, 115.5, 116.0)
+        assert peers.silent(116.0, expiry=5.0) == [peer]
