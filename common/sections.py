@@ -201,7 +201,8 @@ class BrokerConfig(Section):
     heartbeat_interval_s: float = Field(1.0, gt=0)
     """Seconds between heartbeats."""
     liveness: int = Field(5, ge=2)
-    """Heartbeats missed before a peer is dropped (and its leases re-issued)."""
+    """Heartbeats missed before a peer is dropped (and its leases re-issued). Time in which the broker itself
+    did not read (a starved or stopped process, logged as `broker_stalled`) does not count."""
     lease_timeout_s: float = Field(600.0, gt=0)
     """A task lease not completed in this time is issued to someone else."""
     republish_interval_s: float = Field(2.0, gt=0)
