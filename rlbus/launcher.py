@@ -234,11 +234,12 @@ class Launcher:
     def _check_children(self) -> bool:
         """Handle exits; True when the run is over."""
         trainer = self.children[1]
-        if trainer.proc.poll() == 0:
+        # One poll each: a trainer that finishes between two polls of it must not read as running, then failed.
+        exits = [(child, child.proc.poll()) for child in self.children]
+        if exits[1][1] == 0:
             log.info("trainer_finished", **self.progress())
             return True
-        for child in self.children:
-            code = child.proc.poll()
+        for child, code in exits:
             if code is None or (child is not trainer and code == 0 and child.command == "explorer"):
                 continue
             log.error("component_failed", component=child.name, exit_code=code,

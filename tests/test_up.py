@@ -14,6 +14,34 @@ from rlbus.logview import events as log_events, events_in_text
 from tests.conftest import REPO, TINY_KV_MB, free_port
 
 
+class Exits:
+    """A stand-in for a child's Popen (unit test only): poll() gives the codes in turn, then the last for good."""
+
+    def __init__(self, *codes):
+        self.codes = list(codes)
+
+    def poll(self):
+        return self.codes.pop(0) if len(self.codes) > 1 else self.codes[0]
+
+
+def test_a_trainer_that_finishes_while_the_launcher_looks_ends_the_run_as_finished(tmp_path):
+    """The launcher polls every child once per look: a trainer that exits 0 between two polls of it was taken
+    for running and then for failed (`component_failed`, exit code 0), and a finished run ended with status 1."""
+    from rlbus.common.config import load_config
+    from rlbus.launcher import Launcher
+
+    cfg = load_config(None, [f"run.dir={tmp_path}/run", "broker.port=5555", "broker.pub_port=5556",
+                             "launch.explorers=1"], environ={})
+    launcher = Launcher(cfg)
+    broker, trainer, explorer = launcher.children
+    broker.proc, trainer.proc, explorer.proc = Exits(None), Exits(None, 0), Exits(None)
+    assert launcher._check_children() is False
+    assert launcher._check_children() is True and launcher.exit_code == 0
+    broker.proc, trainer.proc = Exits(None), Exits(None, 1)
+    assert launcher._check_children() is False
+    assert launcher._check_children() is True and launcher.exit_code == 1
+
+
 @pytest.mark.slow
 def test_up_runs_broker_a_two_rank_trainer_and_explorer_to_the_end(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
