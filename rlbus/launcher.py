@@ -233,10 +233,10 @@ class Launcher:
 
     def _check_children(self) -> bool:
         """Handle exits; True when the run is over."""
-        trainer = self.children[1]
         # One poll each: a trainer that finishes between two polls of it must not read as running, then failed.
         exits = [(child, child.proc.poll()) for child in self.children]
-        if exits[1][1] == 0:
+        trainer, trainer_exit = exits[1]
+        if trainer_exit == 0:
             log.info("trainer_finished", **self.progress())
             return True
         for child, code in exits:
