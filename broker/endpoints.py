@@ -1,4 +1,5 @@
-"""`endpoints.json` in the buffer directory: the addresses a broker bound, written once it serves.
+"""The addresses a broker serves on: binding them, and `endpoints.json` in the buffer directory, written once
+it serves.
 
 Whoever starts a broker on port 0 (`rlbus up`, the benchmarks, the tests) learns its ports here. The file
 names the broker's pid, so a file left by an earlier broker is never taken for the new one's.
@@ -10,16 +11,84 @@ import json
 import os
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import zmq
+
+from rlbus.common.curve import load_server_auth
+from rlbus.common.sections import BrokerConfig
 
 NAME = "endpoints.json"
 
 
-def write(buffer_dir: Path, host: str, port: int, pub_port: int) -> None:
+class BindError(RuntimeError):
+    """An address the broker was told to serve on cannot be bound (in use, not allowed, no such directory)."""
+
+
+def bind(sock: zmq.Socket, host: str, port: int, ipc: str = "") -> int:
+    """Bind `sock` on TCP (port 0: a free port) and, with `ipc`, on that Unix socket too; returns the TCP port."""
+    address = f"tcp://{host}:{port or '*'}"
+    try:
+        if port == 0:
+            port = sock.bind_to_random_port(f"tcp://{host}")
+        else:
+            sock.bind(address)
+        if ipc:
+            address = f"ipc://{ipc}"
+            Path(ipc).parent.mkdir(parents=True, exist_ok=True)
+            sock.bind(address)  # ZeroMQ replaces a socket file left behind
+    except (zmq.ZMQError, OSError) as exc:
+        raise BindError(f"cannot serve on {address}: {exc.strerror or exc}") from None
+    return port
+
+
+@dataclass
+class Sockets:
+    """The broker's two sockets, bound: ROUTER for requests, PUB for the weight-version bus."""
+
+    router: zmq.Socket
+    pub: zmq.Socket
+    port: int
+    pub_port: int
+    auth: Any = None  # the CurveZMQ authenticator, when broker.curve_secret_key is set
+
+    def close(self) -> None:
+        self.router.close(0)
+        self.pub.close(0)
+        if self.auth is not None:
+            self.auth.stop()
+
+
+def open_sockets(ctx: zmq.Context, b: BrokerConfig) -> Sockets:
+    """Both sockets set up and bound as `b` says; BindError (nothing left open) if an address cannot be bound."""
+    router, pub = ctx.socket(zmq.ROUTER), ctx.socket(zmq.PUB)
+    for sock in (router, pub):
+        sock.setsockopt(zmq.LINGER, 0)
+    router.setsockopt(zmq.MAXMSGSIZE, 4 * b.max_message_bytes)
+    router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+    router.setsockopt(zmq.SNDHWM, 0)
+    router.setsockopt(zmq.RCVHWM, 0)
+    sockets = Sockets(router, pub, 0, 0)
+    if b.curve_secret_key:
+        sockets.auth = load_server_auth(ctx, b.curve_secret_key, b.curve_authorized_dir, [router, pub])
+    try:
+        sockets.port = bind(router, b.host, b.port, b.ipc_path)
+        sockets.pub_port = bind(pub, b.host, b.pub_port, b.ipc_path and f"{b.ipc_path}.bus")
+    except BindError:
+        sockets.close()
+        raise
+    return sockets
+
+
+def write(buffer_dir: Path, host: str, port: int, pub_port: int, ipc: str = "") -> None:
     path = Path(buffer_dir) / NAME
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps({"router": f"tcp://{host}:{port}", "pub": f"tcp://{host}:{pub_port}",
-                               "pid": os.getpid()}))
+    bound = {"router": f"tcp://{host}:{port}", "pub": f"tcp://{host}:{pub_port}", "pid": os.getpid()}
+    if ipc:
+        bound.update(router_ipc=f"ipc://{ipc}", pub_ipc=f"ipc://{ipc}.bus")
+    tmp.write_text(json.dumps(bound))
     os.replace(tmp, path)  # readers that poll for the file never see it half written
 
 

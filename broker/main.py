@@ -13,9 +13,14 @@ import gc
 import signal
 from pathlib import Path
 
+import structlog
+
+from rlbus.broker.endpoints import BindError
 from rlbus.broker.metrics import serve_metrics
 from rlbus.broker.server import Broker
 from rlbus.common.config import RunConfig
+
+log = structlog.get_logger()
 
 GC_YOUNG_THRESHOLD = 50_000  # allocations between young-generation collections (CPython's default: 700)
 
@@ -23,7 +28,11 @@ GC_YOUNG_THRESHOLD = 50_000  # allocations between young-generation collections 
 def run(cfg: RunConfig) -> None:
     """Serve until SIGTERM, SIGINT or SIGHUP."""
     Path(cfg.buffer_dir()).mkdir(parents=True, exist_ok=True)
-    broker = Broker(cfg)
+    try:
+        broker = Broker(cfg)
+    except BindError as exc:  # a port in use, a socket path it may not create: said in one line, exit 1
+        log.error("broker_bind_failed", error=str(exc))
+        raise SystemExit(1) from None
     gc.freeze()  # what start-up built (modules, the index restored from disk) is never scanned again
     gc.set_threshold(GC_YOUNG_THRESHOLD, 10, 10)
     serve_metrics(broker)

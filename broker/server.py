@@ -32,7 +32,6 @@ from rlbus.broker.swaps import SwapSlots
 from rlbus.broker.tasks import TaskQueue, refusal
 from rlbus.common import protocol as P
 from rlbus.common.config import RunConfig
-from rlbus.common.curve import load_server_auth
 from rlbus.common.tasksets import make_taskset
 
 log = structlog.get_logger()
@@ -63,20 +62,14 @@ class Broker:
         self.buffer = Buffer(cfg, self.store, self.tasks, self.peers, self, self.ctx)
         self.rewards = RewardRouter(self.peers, self.send, cfg.reward.eval_timeout_s, cfg.reward.eval_attempts)
         self.swaps = SwapSlots(cfg.sync.max_swapping, cfg.sync.swap_timeout_s)
-        self._auth = None
-        self.router = self.ctx.socket(zmq.ROUTER)
-        self.pub = self.ctx.socket(zmq.PUB)
-        for sock in (self.router, self.pub):
-            sock.setsockopt(zmq.LINGER, 0)
-        self.router.setsockopt(zmq.MAXMSGSIZE, 4 * bcfg.max_message_bytes)
-        self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        self.router.setsockopt(zmq.SNDHWM, 0)
-        self.router.setsockopt(zmq.RCVHWM, 0)
-        if bcfg.curve_secret_key:
-            self._auth = load_server_auth(self.ctx, bcfg.curve_secret_key, bcfg.curve_authorized_dir,
-                                          [self.router, self.pub])
-        self.port = self._bind(self.router, bcfg.port)
-        self.pub_port = self._bind(self.pub, bcfg.pub_port)
+        try:
+            self.sockets = endpoints.open_sockets(self.ctx, bcfg)
+        except endpoints.BindError:
+            self.buffer.close()
+            self.store.close()
+            raise
+        s = self.sockets
+        self.router, self.pub, self.port, self.pub_port = s.router, s.pub, s.port, s.pub_port
         self.bus = WeightBus(self.pub, self.store, bcfg.republish_interval_s)
         anyone = tuple(sorted(P.ROLES))
         self.handlers: dict[str, tuple[Callable[[Peer, P.Message], None], tuple[str, ...]]] = {
@@ -90,19 +83,14 @@ class Broker:
         self._last_tick = 0.0
         self._running = True
 
-    def _bind(self, sock: zmq.Socket, port: int) -> int:
-        if port == 0:
-            return sock.bind_to_random_port(f"tcp://{self.cfg.broker.host}")
-        sock.bind(f"tcp://{self.cfg.broker.host}:{port}")
-        return port
-
     # ---- loop -------------------------------------------------------------
 
     def serve(self, stop_after: float | None = None) -> None:
-        endpoints.write(self.cfg.buffer_dir(), self.cfg.broker.host, self.port, self.pub_port)
-        log.info("broker_ready", run_id=self.run_id, port=self.port, pub_port=self.pub_port,
+        b = self.cfg.broker
+        endpoints.write(self.cfg.buffer_dir(), b.host, self.port, self.pub_port, b.ipc_path)
+        log.info("broker_ready", run_id=self.run_id, port=self.port, pub_port=self.pub_port, ipc=b.ipc_path or None,
                  depth=self.store.depth, trainer_step=self.buffer.trainer_step,
-                 weights_version=self.bus.state["version"], curve=self._auth is not None)
+                 weights_version=self.bus.state["version"], curve=self.sockets.auth is not None)
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
         poller.register(self.buffer.writer.done, zmq.POLLIN)
@@ -391,9 +379,6 @@ class Broker:
     def close(self) -> None:
         log.info("broker_stopping", depth=self.store.depth, peers=len(self.peers))
         self.buffer.close()
-        self.router.close(0)
-        self.pub.close(0)
-        if self._auth is not None:
-            self._auth.stop()
+        self.sockets.close()
         self.store.close()
 

@@ -23,6 +23,8 @@ model_app = typer.Typer(no_args_is_help=True, help="Prepare models that need no 
 app.add_typer(model_app, name="model")
 
 ConfigArg = Annotated[Optional[Path], typer.Argument(help="YAML config file (defaults if omitted).")]
+BrokerOpt = Annotated[Optional[str], typer.Option(
+    help="Broker address, e.g. tcp://HOST:5555 (ipc://PATH on the broker's host, with broker.ipc_path).")]
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", "-s", help="Override a field: --set trainer.lr=1e-6")]
 
 
@@ -80,7 +82,7 @@ def up(config: ConfigArg = None, set: SetOpt = None) -> None:
 
 @app.command()
 def explorer(config: ConfigArg = None, set: SetOpt = None,
-             broker: Annotated[Optional[str], typer.Option(help="Broker address, e.g. tcp://HOST:5555.")] = None,
+             broker: BrokerOpt = None,
              name: Annotated[Optional[str], typer.Option(help="Peer name (default: explorer-HOST-PID-TAG, unique to this start).")] = None,
              ) -> None:
     """Run an explorer: vLLM rollouts of leased tasks, trajectories to the broker."""
@@ -98,7 +100,7 @@ def explorer(config: ConfigArg = None, set: SetOpt = None,
 
 @app.command()
 def trainer(config: ConfigArg = None, set: SetOpt = None,
-            broker: Annotated[Optional[str], typer.Option(help="Broker address, e.g. tcp://HOST:5555.")] = None,
+            broker: BrokerOpt = None,
             ) -> None:
     """Run the trainer: batches by policy version, policy-gradient steps, weights to the explorers. With
     trainer.world_size N it starts N ranks on this host (FSDP2) and watches them; torchrun starts them on several."""
@@ -118,7 +120,7 @@ def trainer(config: ConfigArg = None, set: SetOpt = None,
 
 @app.command()
 def reward(config: ConfigArg = None, set: SetOpt = None,
-           broker: Annotated[Optional[str], typer.Option(help="Broker address, e.g. tcp://HOST:5555.")] = None,
+           broker: BrokerOpt = None,
            name: Annotated[Optional[str], typer.Option(help="Peer name (default: reward-HOST-PID-TAG, unique to this start).")] = None,
            service: Annotated[Optional[list[str]], typer.Option(help="A service to offer (repeat; default "
                                                                      "reward.services).")] = None) -> None:
@@ -135,7 +137,7 @@ def reward(config: ConfigArg = None, set: SetOpt = None,
 
 @app.command()
 def status(config: ConfigArg = None, set: SetOpt = None,
-           broker: Annotated[Optional[str], typer.Option(help="Broker address, e.g. tcp://HOST:5555.")] = None,
+           broker: BrokerOpt = None,
            timeout: Annotated[float, typer.Option(help="Seconds to wait for the broker.")] = 5.0) -> None:
     """Print the broker's STATUS (peers, versions, buffer depth, leases) as JSON."""
     sets = list(set or [])
