@@ -14,6 +14,7 @@ delivered again, never lost.
 from __future__ import annotations
 
 import sqlite3
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -57,6 +58,10 @@ class Catalog:
             self.db = self._connect()
             self.db.executescript(_SCHEMA)
         self._wdb: sqlite3.Connection | None = None
+        # One writer at a time, as SQLite allows, queued here: a connection that finds the other's write
+        # under way would get SQLITE_BUSY and sleep in SQLite's busy handler (1, 2, 5, 10... ms steps), and
+        # the loop would stand still for longer than the writer thread's commit takes.
+        self._writing = threading.RLock()
 
     def _connect(self, full_sync: bool = False) -> sqlite3.Connection:
         db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=30)
@@ -67,13 +72,14 @@ class Catalog:
     @contextmanager
     def transaction(self, db: sqlite3.Connection | None = None) -> Iterator[None]:
         db = db or self.db
-        db.execute("BEGIN")
-        try:
-            yield
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
-        db.execute("COMMIT")
+        with self._writing:
+            db.execute("BEGIN")
+            try:
+                yield
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            db.execute("COMMIT")
 
     # ---- the broker's own state -------------------------------------------
 
@@ -82,7 +88,8 @@ class Catalog:
         return unpack(row[0]) if row else default
 
     def set_meta(self, key: str, value: Any) -> None:
-        self.db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", (key, pack(value)))
+        with self._writing:
+            self.db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", (key, pack(value)))
 
     # ---- trajectories -----------------------------------------------------
 

@@ -1,0 +1,41 @@
+"""The catalogue's two writers (the broker's loop and its writer thread) take turns without SQLite's busy
+handler: a write that finds the other's transaction under way waits for it to end, and is never refused."""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+
+from rlbus.broker.catalog import Catalog
+
+
+def test_a_write_during_the_other_threads_transaction_waits_for_it_and_is_not_refused(tmp_path, monkeypatch):
+    connect = sqlite3.connect
+    # No busy timeout: SQLite refuses ("database is locked") a write that meets another connection's at once.
+    monkeypatch.setattr(sqlite3, "connect", lambda *a, **kw: connect(*a, **{**kw, "timeout": 0}))
+    catalog = Catalog(tmp_path / "buffer.sqlite3", fsync=False)
+    catalog.add_chunks([])  # opens the writer thread's own connection
+    inside, release = threading.Event(), threading.Event()
+    order: list[str] = []
+
+    def writer() -> None:  # the writer thread's group commit, held open
+        with catalog.transaction(catalog._wdb):
+            catalog._wdb.execute("INSERT INTO chunks(segment, offset, entries) VALUES (0, 0, x'90')")
+            inside.set()
+            release.wait(10)
+            order.append("group commit")
+
+    t = threading.Thread(target=writer)
+    t.start()
+    assert inside.wait(10)
+    loop = threading.Thread(target=lambda: (catalog.commit([], 3), order.append("loop's commit")))
+    loop.start()
+    loop.join(0.3)
+    assert loop.is_alive() and order == []  # waiting its turn, not refused
+    release.set()
+    t.join(10)
+    loop.join(10)
+    assert order == ["group commit", "loop's commit"]
+    assert catalog.get_meta("committed_step") == 3
+    assert [c for c in catalog.chunks()] == [(0, 0, [])]
+    catalog.close()
