@@ -237,8 +237,8 @@ class BrokerConfig(Section):
     def _ipc_path(self) -> "BrokerConfig":
         longest = len(os.fsencode(self.ipc_path + ".bus"))
         if self.ipc_path and longest > IPC_PATH_MAX:
-            raise ValueError(f"broker.ipc_path is {longest - 4} bytes long: a Unix socket path (and its .bus) holds "
-                             f"at most {IPC_PATH_MAX} bytes here; choose a shorter one")
+            raise ValueError(f"broker.ipc_path is {longest - 4} bytes long; with its .bus it must fit a Unix socket "
+                             f"path ({IPC_PATH_MAX} bytes): choose one of at most {IPC_PATH_MAX - 4}")
         return self
 
 
