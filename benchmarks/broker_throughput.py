@@ -13,16 +13,13 @@ size of one PUT and of every PUT in flight at once: the largest group commit),
 measured in the same run in the same directory, and with the same messages
 relayed by a bare ZeroMQ process (PULL to PUSH, nothing stored): the two
 socket hops every trajectory makes through the broker, on the same cores.
-The large case runs twice: over loopback TCP, and over Unix sockets (the
-broker with `broker.ipc_path`, its peers on the same host).
 
     python benchmarks/broker_throughput.py [--quick] [--producers P]
 
 The last line printed is one JSON object: broker_traj_per_s,
 raw_zmq_traj_per_s, ratio, ratio_to_per_message, p50_ack_ms, p99_ack_ms,
 large_mb_per_s, disk_fdatasync_mb_per_s, large_ratio_to_disk,
-large_relay_mb_per_s, large_ratio_to_relay (over TCP), the same five keys
-with the prefix large_ipc_ (over Unix sockets), the CPU
+large_relay_mb_per_s, large_ratio_to_relay, the CPU
 seconds per 10,000 trajectories of each side (producers, broker, consumer)
 in the one-per-message ZeroMQ case and through the broker, and the
 settings. On a machine with few cores every side competes for them: the
@@ -165,23 +162,14 @@ def run_producers(mode: str, address: str, args, consume) -> tuple[float, list[f
     return elapsed, latencies, cpu
 
 
-def bind_local(sock, ipc_dir: str, name: str) -> str:
-    """Bind `sock` on loopback TCP (a free port), or with `ipc_dir` on a Unix socket there; returns the address."""
-    if ipc_dir:
-        address = f"ipc://{ipc_dir}/{name}"
-        sock.bind(address)
-        return address
-    return f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}"
-
-
-def relay(messages: int, ipc_dir: str, results) -> None:
-    """A bare ZeroMQ hop: what a broker that stored nothing and checked nothing would cost. Puts its two
-    addresses (in, out) on `results`, then its CPU seconds."""
+def relay(messages: int, results) -> None:
+    """A bare ZeroMQ hop: what a broker that stored nothing and checked nothing would cost. Puts its two ports
+    (in, out) on `results`, then its CPU seconds."""
     import zmq
 
     ctx = zmq.Context()
     pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    results.put([bind_local(sock, ipc_dir, name) for sock, name in ((pull, "relay-in"), (push, "relay-out"))])
+    results.put([sock.bind_to_random_port("tcp://127.0.0.1") for sock in (pull, push)])
     cpu = time.process_time()
     for _ in range(messages):
         push.send_multipart(pull.recv_multipart(copy=False), copy=False)
@@ -191,9 +179,9 @@ def relay(messages: int, ipc_dir: str, results) -> None:
     results.put(time.process_time() - cpu)
 
 
-def bench_raw(args, mode: str = "raw", relayed: bool = False, ipc_dir: str = "") -> Run:
+def bench_raw(args, mode: str = "raw", relayed: bool = False) -> Run:
     """Producers PUSH to the consumer's PULL; `relayed`: through a relay process in between (the two hops
-    every trajectory makes through the broker, and nothing else); `ipc_dir`: over Unix sockets there."""
+    every trajectory makes through the broker, and nothing else)."""
     import zmq
 
     ctx = zmq.Context()
@@ -204,11 +192,10 @@ def bench_raw(args, mode: str = "raw", relayed: bool = False, ipc_dir: str = "")
     if relayed:
         spawn = mp.get_context("spawn")
         results = spawn.Queue()
-        hop = spawn.Process(target=relay, args=(args.per_producer * args.producers // per_message, ipc_dir,
-                                                results))
+        hop = spawn.Process(target=relay, args=(args.per_producer * args.producers // per_message, results))
         hop.start()
     else:
-        address = bind_local(pull, ipc_dir, "pull")
+        address = f"tcp://127.0.0.1:{pull.bind_to_random_port('tcp://127.0.0.1')}"
 
     def consume(total: int) -> None:
         cpu, got = time.process_time(), 0
@@ -219,8 +206,9 @@ def bench_raw(args, mode: str = "raw", relayed: bool = False, ipc_dir: str = "")
 
     try:
         if hop is not None:
-            address, outbound = results.get(timeout=60)
-            pull.connect(outbound)
+            inbound, outbound = results.get(timeout=60)
+            address = f"tcp://127.0.0.1:{inbound}"
+            pull.connect(f"tcp://127.0.0.1:{outbound}")
         elapsed, _, producers = run_producers(mode, address, args, consume)
         if hop is not None:
             used["relay"] = results.get(timeout=60)
@@ -240,19 +228,15 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def bench_broker(args, data_dir: Path, ipc_dir: str = "") -> Run:
-    """The durable broker, its producers and consumer on loopback TCP, or with `ipc_dir` on a Unix socket there
-    (`broker.ipc_path`)."""
+def bench_broker(args, data_dir: Path) -> Run:
     from rlbus.common import protocol as P
     from rlbus.common.client import BrokerClient
 
     sets = [f"buffer.dir={data_dir}", f"run.dir={data_dir}",
             f"buffer.fsync={args.fsync}", "buffer.capacity=1000000", "sync.sync_style=async",
             "sync.max_staleness=1000000", "logging.level=warning", "logging.format=json"]
-    if ipc_dir:
-        sets.append(f"broker.ipc_path={ipc_dir}/broker")
     with broker_process(sets, data_dir, args.profile) as broker:
-        address, pid = f"ipc://{ipc_dir}/broker" if ipc_dir else broker.address, broker.proc.pid
+        address, pid = broker.address, broker.proc.pid
         trainer = BrokerClient(address, "trainer", "bench-trainer")
         trainer.start(30)
 
@@ -292,8 +276,7 @@ def disk_fdatasync_mb_per_s(directory: Path, write_bytes: int, total_bytes: int)
 
 
 def bench_large(args, data_dir: Path) -> dict:
-    """Large trajectories through the broker, over loopback TCP and over a Unix socket (`broker.ipc_path`),
-    beside the disk's own fdatasync'd write rate and a bare relay over the same transport."""
+    """Large trajectories through the broker, beside the disk's own fdatasync'd write rate."""
     import copy
 
     big = copy.copy(args)
@@ -313,24 +296,20 @@ def bench_large(args, data_dir: Path) -> dict:
     raw = raw_run.rate * (big.large_kb << 10) / 1e6
     print(f"raw zmq push/pull, the same {big.large_kb} KB PUT messages: {raw:,.1f} MB/s "
           f"(CPU s per 10k: {raw_run.cpu_line(n)})", flush=True)
-    out = {"large_kb": big.large_kb, "disk_fdatasync_mb_per_s": round(disk, 1), "large_raw_zmq_mb_per_s": round(raw, 1)}
-    with tempfile.TemporaryDirectory(prefix="rlbus-ipc-") as ipc:  # a short path: a Unix socket's holds 107 bytes
-        for transport, ipc_dir in (("tcp", ""), ("ipc", ipc)):
-            relay_run = bench_raw(big, relayed=True, ipc_dir=ipc_dir)
-            relayed = relay_run.rate * (big.large_kb << 10) / 1e6
-            print(f"raw zmq through a relay process over {transport} (two hops, nothing stored): {relayed:,.1f} "
-                  f"MB/s (CPU s per 10k: {relay_run.cpu_line(n)})", flush=True)
-            run = bench_broker(big, data_dir / f"large-{transport}", ipc_dir)
-            mb = run.rate * (big.large_kb << 10) / 1e6
-            print(f"durable broker over {transport}, {big.large_kb} KB trajectories: {run.rate:,.1f} traj/s = "
-                  f"{mb:,.1f} MB/s ({mb / disk:.2f} of the disk, {mb / relayed:.2f} of the relay; "
-                  f"CPU s per 10k: {run.cpu_line(n)})", flush=True)
-            key = "large" if transport == "tcp" else "large_ipc"
-            out.update({f"{key}_traj_per_s": round(run.rate, 1), f"{key}_mb_per_s": round(mb, 1),
-                        f"{key}_ratio_to_disk": round(mb / disk, 3), f"{key}_relay_mb_per_s": round(relayed, 1),
-                        f"{key}_ratio_to_relay": round(mb / relayed, 3)})
-    out["large_ratio_to_raw_zmq"] = round(out["large_mb_per_s"] / raw, 3)
-    return out
+    relay_run = bench_raw(big, relayed=True)
+    relayed = relay_run.rate * (big.large_kb << 10) / 1e6
+    print(f"raw zmq through a relay process (two hops, nothing stored): {relayed:,.1f} MB/s "
+          f"(CPU s per 10k: {relay_run.cpu_line(n)})", flush=True)
+    run = bench_broker(big, data_dir / "large")
+    rate = run.rate
+    mb = rate * (big.large_kb << 10) / 1e6
+    print(f"durable broker, {big.large_kb} KB trajectories: {rate:,.1f} traj/s = {mb:,.1f} MB/s "
+          f"({mb / disk:.2f} of the disk, {mb / relayed:.2f} of the relay; CPU s per 10k: {run.cpu_line(n)})",
+          flush=True)
+    return {"large_kb": big.large_kb, "large_traj_per_s": round(rate, 1), "large_mb_per_s": round(mb, 1),
+            "disk_fdatasync_mb_per_s": round(disk, 1), "large_ratio_to_disk": round(mb / disk, 3),
+            "large_raw_zmq_mb_per_s": round(raw, 1), "large_ratio_to_raw_zmq": round(mb / raw, 3),
+            "large_relay_mb_per_s": round(relayed, 1), "large_ratio_to_relay": round(mb / relayed, 3)}
 
 
 def main() -> None:

@@ -24,23 +24,18 @@ NAME = "endpoints.json"
 
 
 class BindError(RuntimeError):
-    """An address the broker was told to serve on cannot be bound (in use, not allowed, no such directory)."""
+    """An address the broker was told to serve on cannot be bound (a port in use, an address not of this host)."""
 
 
-def bind(sock: zmq.Socket, host: str, port: int, ipc: str = "") -> int:
-    """Bind `sock` on TCP (port 0: a free port) and, with `ipc`, on that Unix socket too; returns the TCP port."""
+def bind(sock: zmq.Socket, host: str, port: int) -> int:
+    """Bind `sock` on TCP (port 0: a free port); returns the port."""
     address = f"tcp://{host}:{port or '*'}"
     try:
         if port == 0:
-            port = sock.bind_to_random_port(f"tcp://{host}")
-        else:
-            sock.bind(address)
-        if ipc:
-            address = f"ipc://{ipc}"
-            Path(ipc).parent.mkdir(parents=True, exist_ok=True)
-            sock.bind(address)  # ZeroMQ replaces a socket file left behind
-    except (zmq.ZMQError, OSError) as exc:
-        raise BindError(f"cannot serve on {address}: {exc.strerror or exc}") from None
+            return sock.bind_to_random_port(f"tcp://{host}")
+        sock.bind(address)
+    except zmq.ZMQError as exc:
+        raise BindError(f"cannot serve on {address}: {exc.strerror}") from None
     return port
 
 
@@ -74,21 +69,19 @@ def open_sockets(ctx: zmq.Context, b: BrokerConfig) -> Sockets:
     if b.curve_secret_key:
         sockets.auth = load_server_auth(ctx, b.curve_secret_key, b.curve_authorized_dir, [router, pub])
     try:
-        sockets.port = bind(router, b.host, b.port, b.ipc_path)
-        sockets.pub_port = bind(pub, b.host, b.pub_port, b.ipc_path and f"{b.ipc_path}.bus")
+        sockets.port = bind(router, b.host, b.port)
+        sockets.pub_port = bind(pub, b.host, b.pub_port)
     except BindError:
         sockets.close()
         raise
     return sockets
 
 
-def write(buffer_dir: Path, host: str, port: int, pub_port: int, ipc: str = "") -> None:
+def write(buffer_dir: Path, host: str, port: int, pub_port: int) -> None:
     path = Path(buffer_dir) / NAME
     tmp = path.with_suffix(".json.tmp")
-    bound = {"router": f"tcp://{host}:{port}", "pub": f"tcp://{host}:{pub_port}", "pid": os.getpid()}
-    if ipc:
-        bound.update(router_ipc=f"ipc://{ipc}", pub_ipc=f"ipc://{ipc}.bus")
-    tmp.write_text(json.dumps(bound))
+    tmp.write_text(json.dumps({"router": f"tcp://{host}:{port}", "pub": f"tcp://{host}:{pub_port}",
+                               "pid": os.getpid()}))
     os.replace(tmp, path)  # readers that poll for the file never see it half written
 
 

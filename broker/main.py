@@ -30,7 +30,7 @@ def run(cfg: RunConfig) -> None:
     Path(cfg.buffer_dir()).mkdir(parents=True, exist_ok=True)
     try:
         broker = Broker(cfg)
-    except BindError as exc:  # a port in use, a socket path it may not create: said in one line, exit 1
+    except BindError as exc:  # a port in use, an address not of this host: said in one line, exit 1
         log.error("broker_bind_failed", error=str(exc))
         raise SystemExit(1) from None
     gc.freeze()  # what start-up built (modules, the index restored from disk) is never scanned again

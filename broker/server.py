@@ -86,9 +86,8 @@ class Broker:
     # ---- loop -------------------------------------------------------------
 
     def serve(self, stop_after: float | None = None) -> None:
-        b = self.cfg.broker
-        endpoints.write(self.cfg.buffer_dir(), b.host, self.port, self.pub_port, b.ipc_path)
-        log.info("broker_ready", run_id=self.run_id, port=self.port, pub_port=self.pub_port, ipc=b.ipc_path or None,
+        endpoints.write(self.cfg.buffer_dir(), self.cfg.broker.host, self.port, self.pub_port)
+        log.info("broker_ready", run_id=self.run_id, port=self.port, pub_port=self.pub_port,
                  depth=self.store.depth, trainer_step=self.buffer.trainer_step,
                  weights_version=self.bus.state["version"], curve=self.sockets.auth is not None)
         poller = zmq.Poller()

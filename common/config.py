@@ -114,8 +114,6 @@ class RunConfig(Section):
     def bus_address(self) -> str:
         if self.broker.pub_address:
             return self.broker.pub_address
-        if self.broker.address.startswith("ipc://"):
-            return self.broker.address + ".bus"  # where a broker with broker.ipc_path binds its bus
         base, _, _ = self.broker.address.rpartition(":")
         return f"{base}:{self.broker.pub_port}"
 

@@ -6,13 +6,9 @@ errors) and a default that works on one machine.
 
 from __future__ import annotations
 
-import os
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
-
-
-IPC_PATH_MAX = 107  # bytes of a Unix socket path on Linux (sun_path less its terminating NUL)
 
 
 class Section(BaseModel):
@@ -202,11 +198,6 @@ class BrokerConfig(Section):
     on to the others by `rlbus up`)."""
     pub_port: int = Field(5556, ge=0, le=65535)
     """Weight-version bus (PUB) port; 0 picks a free port, as for `port`."""
-    ipc_path: str = ""
-    """Also serve peers on this host over Unix domain sockets: requests at this path, the bus at PATH.bus (for
-    example /run/rlbus/broker.sock; a file left there is replaced). Peers connect with
-    broker.address=ipc://PATH. The same protocol without the TCP stack: about twice the bytes per second for large
-    trajectories. Empty: TCP only."""
     heartbeat_interval_s: float = Field(1.0, gt=0)
     """Seconds between heartbeats."""
     liveness: int = Field(5, ge=2)
@@ -227,19 +218,11 @@ class BrokerConfig(Section):
     address: str = "tcp://127.0.0.1:5555"
     """Where clients reach the broker's request socket."""
     pub_address: str = ""
-    """Where clients reach the bus; empty means the request address with pub_port (ipc://PATH.bus for ipc://PATH)."""
+    """Where clients reach the bus; empty means the request address with pub_port."""
     curve_server_key: str = ""
     """Client side: path of the broker's public key file."""
     curve_client_key: str = ""
     """Client side: path of this client's secret key file (its public key must be listed at the broker)."""
-
-    @model_validator(mode="after")
-    def _ipc_path(self) -> "BrokerConfig":
-        longest = len(os.fsencode(self.ipc_path + ".bus"))
-        if self.ipc_path and longest > IPC_PATH_MAX:
-            raise ValueError(f"broker.ipc_path is {longest - 4} bytes long; with its .bus it must fit a Unix socket "
-                             f"path ({IPC_PATH_MAX} bytes): choose one of at most {IPC_PATH_MAX - 4}")
-        return self
 
 
 class RolloutConfig(Section):

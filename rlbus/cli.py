@@ -23,8 +23,7 @@ model_app = typer.Typer(no_args_is_help=True, help="Prepare models that need no 
 app.add_typer(model_app, name="model")
 
 ConfigArg = Annotated[Optional[Path], typer.Argument(help="YAML config file (defaults if omitted).")]
-BrokerOpt = Annotated[Optional[str], typer.Option(
-    help="Broker address, e.g. tcp://HOST:5555 (ipc://PATH on the broker's host, with broker.ipc_path).")]
+BrokerOpt = Annotated[Optional[str], typer.Option(help="Broker address, e.g. tcp://HOST:5555.")]
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", "-s", help="Override a field: --set trainer.lr=1e-6")]
 
 
