@@ -21,6 +21,8 @@ from typing import Any, Iterable, Iterator
 
 from rlbus.common.protocol import pack, unpack
 
+BUSY_TIMEOUT_S = 30.0  # how long a write waits for another to end before it fails
+
 # One `chunks` row per group commit of one PUT message: the metadata of its
 # trajectories, packed together, whose payloads lie back to back in the
 # segment from `offset`. Writing per message rather than per trajectory is
@@ -64,15 +66,26 @@ class Catalog:
         self._writing = threading.RLock()
 
     def _connect(self, full_sync: bool = False) -> sqlite3.Connection:
-        db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=30)
+        db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=BUSY_TIMEOUT_S)
         db.execute("PRAGMA journal_mode=WAL")
         db.execute(f"PRAGMA synchronous={'FULL' if full_sync else 'NORMAL'}")
         return db
 
     @contextmanager
+    def _turn(self) -> Iterator[None]:
+        """This thread's turn to write; as SQLite's own busy timeout, an error after BUSY_TIMEOUT_S (a disk that
+        stopped under the other writer fails the request that waited, and the loop goes on)."""
+        if not self._writing.acquire(timeout=BUSY_TIMEOUT_S):
+            raise sqlite3.OperationalError(f"the catalogue's other writer has held it for {BUSY_TIMEOUT_S} s")
+        try:
+            yield
+        finally:
+            self._writing.release()
+
+    @contextmanager
     def transaction(self, db: sqlite3.Connection | None = None) -> Iterator[None]:
         db = db or self.db
-        with self._writing:
+        with self._turn():
             db.execute("BEGIN")
             try:
                 yield
@@ -88,7 +101,7 @@ class Catalog:
         return unpack(row[0]) if row else default
 
     def set_meta(self, key: str, value: Any) -> None:
-        with self._writing:
+        with self._turn():
             self.db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", (key, pack(value)))
 
     # ---- trajectories -----------------------------------------------------

@@ -6,6 +6,9 @@ from __future__ import annotations
 import sqlite3
 import threading
 
+import pytest
+
+from rlbus.broker import catalog as catalog_module
 from rlbus.broker.catalog import Catalog
 
 
@@ -38,4 +41,29 @@ def test_a_write_during_the_other_threads_transaction_waits_for_it_and_is_not_re
     assert order == ["group commit", "loop's commit"]
     assert catalog.get_meta("committed_step") == 3
     assert [c for c in catalog.chunks()] == [(0, 0, [])]
+    catalog.close()
+
+
+def test_a_write_that_waits_past_the_busy_timeout_fails_and_the_next_one_goes_through(tmp_path, monkeypatch):
+    """A disk stopped under the other writer fails the request that waited (the broker answers it ERROR internal
+    and serves on), as SQLite's own busy timeout would, instead of stopping the loop for as long as the disk."""
+    monkeypatch.setattr(catalog_module, "BUSY_TIMEOUT_S", 0.2)
+    catalog = Catalog(tmp_path / "buffer.sqlite3", fsync=False)
+    catalog.add_chunks([])
+    inside, release = threading.Event(), threading.Event()
+
+    def stuck_writer() -> None:
+        with catalog.transaction(catalog._wdb):
+            inside.set()
+            release.wait(10)
+
+    t = threading.Thread(target=stuck_writer)
+    t.start()
+    assert inside.wait(10)
+    with pytest.raises(sqlite3.OperationalError, match="other writer has held it for 0.2 s"):
+        catalog.commit([], 1)
+    release.set()
+    t.join(10)
+    catalog.commit([], 2)
+    assert catalog.get_meta("committed_step") == 2
     catalog.close()
