@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgpack
 import numpy as np
 import pytest
 
@@ -70,3 +71,17 @@ def test_trajectory_headers_are_not_tracked_by_the_cyclic_collector():
                                           "payload_bytes": 4, "info": {"k": [1]}}]})
     assert isinstance(put.trajectories[0], Trajectory)
     assert not gc.is_tracked(put.trajectories[0])
+
+
+def test_pack_writes_the_bytes_msgpack_writes():
+    """Peers and stored catalogues read what `pack` writes with any msgpack library: the encoding (smallest
+    int and str forms, bin for bytes, float64) must stay msgpack's own byte for byte."""
+    values = [{}, [], "", 0, -1, 127, 128, -33, 2**32, 2**64 - 1, -(2**63), 1.5, float("inf"), True, False, None,
+              b"\x00\xff", bytearray(b"ab"), memoryview(b"xy"), "é" * 40, "x" * 70_000, (1, "t"),
+              {"trajectories": [{"id": "g.0", "reward": 1.0, "info": {"k": [1, {"d": None}]}}], "req": 5}]
+    for value in values:
+        assert P.pack(value) == msgpack.packb(value, use_bin_type=True), value
+        assert P.unpack(P.pack(value)) == msgpack.unpackb(msgpack.packb(value, use_bin_type=True), raw=False)
+    for bad in (2**64, object()):
+        with pytest.raises((TypeError, OverflowError)):
+            P.pack(bad)
