@@ -19,7 +19,9 @@ socket hops every trajectory makes through the broker, on the same cores.
 The last line printed is one JSON object: broker_traj_per_s,
 raw_zmq_traj_per_s, ratio, ratio_to_per_message, p50_ack_ms, p99_ack_ms,
 large_mb_per_s, disk_fdatasync_mb_per_s, large_ratio_to_disk,
-large_relay_mb_per_s, large_ratio_to_relay, the CPU
+large_relay_mb_per_s, large_ratio_to_relay, put_decode_us and
+put_decode_general_us (one PUT header decoded and validated by the broker's
+one-pass path and by the general path alone, timed in this process), the CPU
 seconds per 10,000 trajectories of each side (producers, broker, consumer)
 in the one-per-message ZeroMQ case and through the broker, and the
 settings. On a machine with few cores every side competes for them: the
@@ -257,6 +259,30 @@ def bench_broker(args, data_dir: Path) -> Run:
         return Run(args.per_producer * args.producers / elapsed, latencies, {"producers": producers, **used})
 
 
+def decode_us(per_put: int, repeat: int) -> tuple[float, float]:
+    """Microseconds to decode and validate one PUT header of the producers' (best of `repeat` rounds): the
+    broker's path, and the general path alone (msgpack, the depth check, validation against the Struct)."""
+    import timeit
+
+    from rlbus.common import protocol as P
+
+    items = make_batch(0, 0, per_put // GROUP, b"x")
+    metas = [dict(m, info={"finish_reason": "stop"}) for m, _ in items]  # as explorers send them
+    frames = P.encode(P.PUT, {"req": 1, "trajectories": metas}, [P.join_payloads(metas, [p for _, p in items])])
+
+    def decode() -> None:
+        P.validate(P.decode(frames))
+
+    plain, out = P._plain_put, []
+    for one_pass in (True, False):
+        P._plain_put = plain if one_pass else (lambda header: None)
+        try:
+            out.append(min(timeit.repeat(decode, number=200, repeat=repeat)) / 200 * 1e6)
+        finally:
+            P._plain_put = plain
+    return out[0], out[1]
+
+
 def disk_fdatasync_mb_per_s(directory: Path, write_bytes: int, total_bytes: int) -> float:
     """This disk's sequential write rate with one fdatasync per write of `write_bytes`, as a group commit does."""
     block = sample_payload(max(1, write_bytes >> 10))
@@ -345,6 +371,9 @@ def main() -> None:
     p99 = lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1000 if lat else float("nan")
     print(f"durable broker: {rate:,.0f} traj/s (fsync={args.fsync}), ACK p50 {p50:.1f} ms, p99 {p99:.1f} ms "
           f"(CPU s per 10k: {run.cpu_line(n)})", flush=True)
+    one_pass, general = decode_us(args.per_put, 1 if args.smoke else 7)
+    print(f"PUT header of {args.per_put} trajectories, decoded and validated: {one_pass:.1f} us in one pass, "
+          f"{general:.1f} us by the general path ({one_pass / general:.2f} of it)", flush=True)
     cpu = {f"cpu_s_per_10k_{case}_{side}": round(v * 10_000 / n, 3)
            for case, r in (("raw1", raw1_run), ("broker", run)) for side, v in r.cpu.items()}
     print(json.dumps({"broker_traj_per_s": round(rate), "raw_zmq_traj_per_s": round(raw),
@@ -352,7 +381,8 @@ def main() -> None:
                       "ratio_to_per_message": round(rate / raw1, 3), "p50_ack_ms": round(p50, 2),
                       "p99_ack_ms": round(p99, 2),
                       "producers": args.producers, "per_put": args.per_put, "fsync": args.fsync,
-                      "trajectories": n, **cpu, **large}))
+                      "trajectories": n, "put_decode_us": round(one_pass, 1),
+                      "put_decode_general_us": round(general, 1), **cpu, **large}))
 
 
 if __name__ == "__main__":

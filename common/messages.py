@@ -5,7 +5,9 @@ docs/protocol.md gives the fields; these types are their executable form.
 (types, ranges, lengths, required fields): a value of the wrong type, a
 negative or too large integer, a float that is not finite, nil where a value
 belongs, an over-long id. Fields a Struct does not name are allowed and kept
-as they came (the broker stores and re-emits headers as maps). The explorer
+as they came (the broker stores and re-emits headers as maps). A PUT of
+trajectories with nothing else (`PlainPut`) is decoded straight from its
+bytes into its Struct, skipping the map and the second pass. The explorer
 builds its trajectory metadata from `Trajectory`, the broker validates PUTs
 against it, and the trainer reads BATCH metadata through it.
 """
@@ -88,6 +90,22 @@ class Trajectory(Struct, forbid_unknown_fields=False, gc=False):
 
 class Put(Header):
     trajectories: list[Trajectory]
+
+
+Scalar = str | int | float | bool
+
+
+class PlainTrajectory(Trajectory, forbid_unknown_fields=True, gc=False):
+    """A trajectory with the named fields only and an `info` of scalars, as rlbus explorers send them."""
+
+    info: dict[str, Scalar] | UnsetType = UNSET
+
+
+class PlainPut(Put, forbid_unknown_fields=True):
+    """A PUT of plain trajectories: `protocol.decode` reads it straight from its msgpack bytes in one C pass.
+    A PUT it does not fit (an unnamed field, a nested `info`, or any error) takes the general path."""
+
+    trajectories: list[PlainTrajectory]
 
 
 class Fetch(Header):

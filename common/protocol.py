@@ -81,6 +81,7 @@ class Message:
     command: str
     header: dict[str, Any]
     payloads: list[bytes] = field(default_factory=list)
+    typed: Struct | None = None  # the header's Struct, when decoding made it (`validate` makes it otherwise)
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -127,6 +128,19 @@ def too_deep(obj: Any, limit: int = MAX_DEPTH) -> bool:
     return False
 
 
+_plain_put_decoder = msgspec.msgpack.Decoder(messages.PlainPut)
+
+
+def _plain_put(header: bytes) -> messages.PlainPut | None:
+    """A PUT header of plain trajectories, decoded and checked in one pass (a third of the time of msgpack, the
+    depth check and validation one after another), or None: then the general path decodes it and says what is
+    wrong, so every PUT gets the answer it would get without this."""
+    try:
+        return _plain_put_decoder.decode(header)
+    except Exception:  # whatever it is, the general path finds it and names it
+        return None
+
+
 def received(frames: list[Any]) -> list[bytes | memoryview]:
     """A message's frames as taken off a socket without a copy (ZeroMQ frames): protocol, command and
     header as bytes, payloads as read-only views of ZeroMQ's buffers that live as long as the message."""
@@ -159,6 +173,10 @@ def decode(frames: list[bytes], max_message_bytes: int | None = None,
         raise ProtocolError("malformed", "command frame is not ASCII") from None
     if len(frames[2]) > max_header_bytes:
         raise ProtocolError("too_large", f"header of {len(frames[2])} bytes exceeds the limit of {max_header_bytes}")
+    if command == PUT:
+        typed = _plain_put(frames[2])
+        if typed is not None:
+            return Message(command, msgspec.to_builtins(typed), list(frames[3:]), typed)
     try:
         header = unpack(frames[2])
     except Exception as exc:  # msgpack raises several unrelated types
@@ -180,7 +198,7 @@ def validate(msg: Message) -> Struct:
         raise ProtocolError("unknown_command", f"unknown command {brief(msg.command)}; "
                                                f"known: {', '.join(sorted(messages.HEADERS))}")
     try:
-        typed = messages.check(msg.command, msg.header)
+        typed = msg.typed if msg.typed is not None else messages.check(msg.command, msg.header)
     except msgspec.ValidationError as exc:
         text = str(exc).replace("`float` >= -1.7976931348623157e+308", "a finite `float`")
         if "got `null`" in text:

@@ -6,7 +6,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from rlbus.common import protocol as P
+from rlbus.common import messages as M, protocol as P
 from rlbus.common.trajectory import decode_payload, encode_payload
 
 
@@ -85,3 +85,63 @@ def test_pack_writes_the_bytes_msgpack_writes():
     for bad in (2**64, object()):
         with pytest.raises((TypeError, OverflowError)):
             P.pack(bad)
+
+
+def _put(trajectories: list[dict]) -> list[bytes]:
+    frame = P.join_payloads(trajectories, [b"x" * (i + 1) for i in range(len(trajectories))])
+    return P.encode(P.PUT, {"req": 9, "trajectories": trajectories}, [frame])
+
+
+def _meta(i: int = 0, **extra) -> dict:
+    return {"id": f"g.{i}", "group_id": "g", "task_id": "t", "group_size": 2, "batch_index": 0,
+            "policy_version": 1, "reward": 0.5, "n_tokens": 3, **extra}
+
+
+def _answer(frames: list[bytes]) -> tuple[str, str] | dict:
+    """What the broker makes of a PUT: its header, or the error (code, message)."""
+    try:
+        msg = P.decode(frames)
+        P.validate(msg)
+    except P.ProtocolError as exc:
+        return exc.code, exc.message
+    return msg.header
+
+
+def _general(frames: list[bytes], monkeypatch) -> tuple[str, str] | dict:
+    """The answer of the general path alone (msgpack, depth check, validation)."""
+    with monkeypatch.context() as m:
+        m.setattr(P, "_plain_put", lambda header: None)
+        return _answer(frames)
+
+
+@pytest.mark.parametrize("trajectories", [
+    [_meta(0), _meta(1, info={"finish_reason": "stop", "k": 2})],
+    [_meta(0, last_version=3, info={})],
+    [_meta(0, reward=1)],  # an int where a float belongs: taken as the float
+])
+def test_a_plain_put_is_decoded_in_one_pass_to_what_the_general_path_makes(trajectories, monkeypatch):
+    frames = _put(trajectories)
+    msg = P.decode(frames)
+    assert isinstance(msg.typed, M.PlainPut)
+    assert P.validate(msg) is msg.typed
+    assert msg.header == _general(frames, monkeypatch)
+
+
+@pytest.mark.parametrize("trajectories, answer", [
+    ([_meta(0, extra_field=[1, {"a": 2}])], "kept"),          # a field the protocol does not name is kept
+    ([_meta(0, info={"nested": {"a": [1, 2]}})], "kept"),    # an info that is not all scalars
+    ([_meta(0, info={"a": None})], "kept"),
+    ([_meta(0, reward=None)], "bad_field"),
+    ([_meta(0, reward=float("nan"))], "bad_field"),
+    ([_meta(0, group_size=0)], "bad_field"),
+    ([_meta(0, id="x" * 129)], "bad_field"),
+    ([_meta(0, info={"a": [[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]})], "malformed"),
+])
+def test_a_put_the_one_pass_decoder_does_not_fit_gets_the_general_paths_answer(trajectories, answer, monkeypatch):
+    frames = _put(trajectories)
+    assert P._plain_put(frames[2]) is None
+    got = _answer(frames)
+    assert got == _general(frames, monkeypatch)
+    assert (answer == "kept") == isinstance(got, dict)
+    if answer != "kept":
+        assert got[0] == answer
