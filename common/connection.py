@@ -172,7 +172,7 @@ class Connection:
     def _on_message(self, frames: list[bytes | memoryview]) -> None:
         self._last_recv = time.monotonic()
         try:
-            msg = P.decode(frames, max_header_bytes=P.MAX_REPLY_HEADER_BYTES)
+            msg = P.decode_reply(frames)
         except P.ProtocolError as exc:
             log.warning("bad_message_from_broker", code=exc.code, reason=exc.message)
             return

@@ -60,8 +60,10 @@ TOPIC_WEIGHTS = b"weights"
 MAX_HEADER_BYTES = 1 << 20
 MAX_FRAMES = 4096
 MAX_DEPTH = 16  # maps and lists inside a header; what the broker stores it re-emits a few levels deeper
-# Replies (a BATCH of many groups) may be larger than a request header.
+# Replies (a BATCH of many groups) may be larger than a request header, and nest deeper: the broker re-emits
+# what it stored up to two levels below where it came (a trajectory's map in BATCH, capabilities in STATUS).
 MAX_REPLY_HEADER_BYTES = 256 << 20
+MAX_REPLY_DEPTH = MAX_DEPTH + 4
 
 _brief = reprlib.Repr()
 _brief.maxlevel, _brief.maxstring, _brief.maxother, _brief.maxlist, _brief.maxdict = 2, 40, 40, 4, 4
@@ -148,7 +150,7 @@ def received(frames: list[Any]) -> list[bytes | memoryview]:
 
 
 def decode(frames: list[bytes], max_message_bytes: int | None = None,
-           max_header_bytes: int = MAX_HEADER_BYTES) -> Message:
+           max_header_bytes: int = MAX_HEADER_BYTES, max_depth: int = MAX_DEPTH) -> Message:
     """Parse the frames of one message (without the routing identity).
 
     Raises ProtocolError for anything that is not a well-formed message of
@@ -183,9 +185,14 @@ def decode(frames: list[bytes], max_message_bytes: int | None = None,
         raise ProtocolError("malformed", f"header is not valid msgpack: {str(exc)[:200]}") from None
     if not isinstance(header, dict):
         raise ProtocolError("malformed", f"header must be a msgpack map, got {type(header).__name__}")
-    if too_deep(header):
-        raise ProtocolError("malformed", f"header nests maps and lists deeper than {MAX_DEPTH} levels")
+    if too_deep(header, max_depth):
+        raise ProtocolError("malformed", f"header nests maps and lists deeper than {max_depth} levels")
     return Message(command, header, list(frames[3:]))
+
+
+def decode_reply(frames: list[bytes]) -> Message:
+    """Parse a message from the broker, with the limits of replies (larger and deeper than requests)."""
+    return decode(frames, max_header_bytes=MAX_REPLY_HEADER_BYTES, max_depth=MAX_REPLY_DEPTH)
 
 
 # ---- field checks ---------------------------------------------------------

@@ -218,7 +218,7 @@ def recv(sock: zmq.Socket, timeout_s: float = 10.0) -> P.Message:
     while True:
         if not sock.poll(max(0, int((deadline - time.monotonic()) * 1000))):
             raise TimeoutError(f"no reply within {timeout_s} s")
-        msg = P.decode(sock.recv_multipart())
+        msg = P.decode_reply(sock.recv_multipart())
         if msg.command not in (P.HEARTBEAT, P.CREDIT):
             return msg
 

@@ -157,7 +157,7 @@ class Plan:
     frames: list[bytes] = field(default_factory=list)
 
     def reply(self) -> P.Message:
-        return P.decode(self.frames)
+        return P.decode_reply(self.frames)
 
 
 def send(plan: Plan, world: World) -> None:

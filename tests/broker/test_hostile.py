@@ -252,3 +252,28 @@ def test_put_from_a_trainer_is_refused(broker_factory, clients):
     tr = clients(b, "trainer", "tr")
     with pytest.raises(BrokerError, match="bad_role"):
         tr.put(group("x"), timeout=5)
+
+
+def deepest_allowed(levels_above: int):
+    """The deepest map a request may carry `levels_above` levels below its header map."""
+    return nested(P.MAX_DEPTH - levels_above - 1)
+
+
+def test_the_deepest_info_a_put_may_carry_comes_back_in_a_batch_the_trainer_reads(broker_factory, clients):
+    """The broker re-emits what it stores a few levels deeper than it came (a BATCH puts each trajectory two
+    levels further down than its PUT did), so a peer reads replies deeper than the requests it may send."""
+    b = broker_factory()
+    (meta, payload), = group("deep", size=1)
+    info = deepest_allowed(3)  # header, trajectories, the trajectory's map, then info
+    assert not P.too_deep({"trajectories": [{**meta, "info": info}]})
+    ex = clients(b, "explorer", "ex")
+    assert ex.put([({**meta, "info": info}, payload)], timeout=5)["stored"] == ["deep.0"]
+    tr = clients(b, "trainer", "tr")
+    reply = tr.request(P.FETCH, {"step": 0, "max_groups": 1}, timeout=5)
+    assert reply.command == P.BATCH
+    assert reply.header["groups"][0]["trajectories"][0]["info"] == info
+    deep_tool = clients(b, "tool", "deep-tool", capabilities={"x": deepest_allowed(2)})  # header, capabilities
+    peers = clients(b, "tool", "st").request(P.STATUS, timeout=5).header["peers"]
+    assert next(p for p in peers if p["name"] == "deep-tool")["capabilities"] == {"x": deepest_allowed(2)}
+    deep_tool.close()
+    served(b, clients)

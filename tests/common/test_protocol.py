@@ -145,3 +145,20 @@ def test_a_put_the_one_pass_decoder_does_not_fit_gets_the_general_paths_answer(t
     assert (answer == "kept") == isinstance(got, dict)
     if answer != "kept":
         assert got[0] == answer
+
+
+def test_a_reply_may_be_larger_and_deeper_than_a_request():
+    """The broker re-emits what it stored below where it came (BATCH: two levels), and a BATCH of many groups
+    outgrows a request's header limit: a peer and the trainer's other ranks read it with the reply limits."""
+    from rlbus.trainer.distributed import Plan
+
+    info = {"a": 1}
+    for _ in range(P.MAX_DEPTH - 5):
+        info = {"a": info}
+    metas = [{"id": f"g.{i}", "pad": "x" * 200, "info": info} for i in range(6000)]
+    frames = P.encode(P.BATCH, {"step": 1, "groups": [{"group_id": "g", "trajectories": metas}]}, [b"p"])
+    assert len(frames[2]) > P.MAX_HEADER_BYTES and P.too_deep(P.unpack(frames[2]))
+    with pytest.raises(P.ProtocolError):
+        P.decode(frames)
+    assert P.decode_reply(frames).header["groups"][0]["trajectories"][5999]["info"] == info
+    assert Plan("train", 1, frames=frames).reply().header["step"] == 1
