@@ -168,7 +168,7 @@ class WeightServer:
         ident, _, command, header = frames
         try:
             request = msgspec.msgpack.decode(header, type=Request)
-        except msgspec.DecodeError as exc:
+        except (msgspec.DecodeError, RecursionError) as exc:  # RecursionError: an unnamed field nested too deep
             self._error(ident, None, "bad_request", f"bad header: {exc}")
             return
         if command not in (MANIFEST, CHUNK):

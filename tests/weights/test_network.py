@@ -338,6 +338,8 @@ def test_requests_name_versions_and_files_never_paths_and_bad_input_gets_an_erro
         ([MAGIC, MANIFEST, P.pack({"req": 11, "version": 2, "base": 1, "delta_wait_ms": "soon"})], "bad_request"),
         ([MAGIC, b"DELETE", P.pack({"req": 6, "version": 1})], "bad_request"),
         ([MAGIC, MANIFEST, b"\xc1not msgpack"], "bad_request"),
+        # A field the request does not name, nested past what the decoder follows.
+        ([MAGIC, MANIFEST, b"\x83\xa3req\x0c\xa7version\x01\xa1x" + b"\x91" * 30_000 + b"\x01"], "bad_request"),
         ([b"http/1.1", b"GET /"], "bad_request"),
     ]
     for frames, code in cases:
