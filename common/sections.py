@@ -12,7 +12,9 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_valida
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+    # Every number finite: an infinite lr, temperature or timeout is a typo, never a setting.
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True,
+                              allow_inf_nan=False)
 
 
 class ModelConfig(Section):

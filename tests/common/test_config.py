@@ -47,6 +47,9 @@ def test_off_stays_a_string():
     (["data.revisit=1"], "data.revisit = 1"),
     (["data.revisit=-0.1"], "data.revisit = -0.1"),
     (["data.revisit_times=0"], "data.revisit_times = 0"),
+    (["trainer.lr=inf"], "trainer.lr = 'inf': Input should be a finite number"),
+    (["rollout.temperature=inf"], "rollout.temperature = 'inf': Input should be a finite number"),
+    (["algorithm.kl_coef=-inf"], "algorithm.kl_coef = '-inf': Input should be a finite number"),
 ])
 def test_bad_values_name_field_value_and_remedy(sets, needle):
     with pytest.raises(ConfigError) as err:
