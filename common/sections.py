@@ -6,9 +6,10 @@ errors) and a default that works on one machine.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 
 class Section(BaseModel):
@@ -192,6 +193,16 @@ class BufferConfig(Section):
     """Roll over to a new payload segment file after this many bytes."""
 
 
+def _endpoint(value: str) -> str:
+    """A broker address as clients dial it: tcp://HOST:PORT (HOST a name, an IPv4 address or [IPv6])."""
+    if value and not re.fullmatch(r"tcp://(\[[0-9A-Fa-f:.]+\]|[^\s/:\[\]]+):\d{1,5}", value):
+        raise ValueError("must be tcp://HOST:PORT, e.g. tcp://10.0.0.5:5555")
+    return value
+
+
+Endpoint = Annotated[str, AfterValidator(_endpoint)]
+
+
 class BrokerConfig(Section):
     host: str = "127.0.0.1"
     """Address the broker binds (0.0.0.0 to serve other hosts)."""
@@ -217,9 +228,9 @@ class BrokerConfig(Section):
     """Path of the broker's CurveZMQ secret key file; set it to require encryption and client keys."""
     curve_authorized_dir: str = ""
     """Directory of client public key files the broker accepts (with curve_secret_key)."""
-    address: str = "tcp://127.0.0.1:5555"
+    address: Endpoint = "tcp://127.0.0.1:5555"
     """Where clients reach the broker's request socket."""
-    pub_address: str = ""
+    pub_address: Endpoint = ""
     """Where clients reach the bus; empty means the request address with pub_port."""
     curve_server_key: str = ""
     """Client side: path of the broker's public key file."""

@@ -47,6 +47,8 @@ def test_off_stays_a_string():
     (["data.revisit=1"], "data.revisit = 1"),
     (["data.revisit=-0.1"], "data.revisit = -0.1"),
     (["data.revisit_times=0"], "data.revisit_times = 0"),
+    (["broker.address=broker-host:5555"], "broker.address = 'broker-host:5555': must be tcp://HOST:PORT"),
+    (["broker.pub_address=tcp://h"], "broker.pub_address = 'tcp://h': must be tcp://HOST:PORT"),
     (["trainer.lr=inf"], "trainer.lr = 'inf': Input should be a finite number"),
     (["rollout.temperature=inf"], "rollout.temperature = 'inf': Input should be a finite number"),
     (["algorithm.kl_coef=-inf"], "algorithm.kl_coef = '-inf': Input should be a finite number"),
