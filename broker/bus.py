@@ -12,7 +12,6 @@ message is enough to know everything (the Clone pattern's snapshot).
 
 from __future__ import annotations
 
-import re
 import time
 from typing import Any
 
@@ -41,7 +40,7 @@ class WeightBus:
         if h["method"] not in METHODS:
             return P.ProtocolError("bad_field", f"PUBLISH: method {h['method']!r} is not one of {METHODS}")
         fetch_from = h.get("fetch_from")
-        if fetch_from is not None and not re.fullmatch(r"tcp://[^\s/:]+:\d{1,5}", fetch_from):
+        if fetch_from is not None and not P.ENDPOINT.fullmatch(fetch_from):
             return P.ProtocolError("bad_field", f"PUBLISH: fetch_from {P.brief(fetch_from)} is not tcp://HOST:PORT")
         if h["version"] < self.state["version"]:
             return P.ProtocolError("conflict", f"version {h['version']} is older than the published "

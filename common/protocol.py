@@ -9,6 +9,7 @@ broker stores without decoding.
 
 from __future__ import annotations
 
+import re
 import reprlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,6 +65,9 @@ MAX_DEPTH = 16  # maps and lists inside a header; what the broker stores it re-e
 # what it stored up to two levels below where it came (a trajectory's map in BATCH, capabilities in STATUS).
 MAX_REPLY_HEADER_BYTES = 256 << 20
 MAX_REPLY_DEPTH = MAX_DEPTH + 4
+
+# A ZeroMQ TCP endpoint as peers dial it: tcp://HOST:PORT, HOST a name, an IPv4 address or [IPv6].
+ENDPOINT = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[^\s/:\[\]]+):\d{1,5}")
 
 _brief = reprlib.Repr()
 _brief.maxlevel, _brief.maxstring, _brief.maxother, _brief.maxlist, _brief.maxdict = 2, 40, 40, 4, 4

@@ -6,10 +6,11 @@ errors) and a default that works on one machine.
 
 from __future__ import annotations
 
-import re
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+
+from rlbus.common.protocol import ENDPOINT
 
 
 class Section(BaseModel):
@@ -195,7 +196,7 @@ class BufferConfig(Section):
 
 def _endpoint(value: str) -> str:
     """A broker address as clients dial it: tcp://HOST:PORT (HOST a name, an IPv4 address or [IPv6])."""
-    if value and not re.fullmatch(r"tcp://(\[[0-9A-Fa-f:.]+\]|[^\s/:\[\]]+):\d{1,5}", value):
+    if value and not ENDPOINT.fullmatch(value):
         raise ValueError("must be tcp://HOST:PORT, e.g. tcp://10.0.0.5:5555")
     return value
 

@@ -170,6 +170,7 @@ def test_publish_carries_where_to_fetch_and_refuses_a_bad_address(broker, client
     for bad in ("/w/v1", "tcp://host", "ipc:///tmp/x", "tcp://h:1 ; rm"):
         with pytest.raises(BrokerError, match="bad_field.*fetch_from"):
             tr.request(P.PUBLISH, {**state, "fetch_from": bad})
+    tr.request(P.PUBLISH, {**state, "version": 0, "fetch_from": "tcp://[fd00::5]:5557"})  # IPv6 as ZeroMQ writes it
     tr.request(P.PUBLISH, {**state, "fetch_from": "tcp://trainer-host:5557", "fetch_key": "K" * 40})
     assert wait_for(lambda: ex.weights and ex.weights["version"] == 1, 5)
     assert ex.weights["fetch_from"] == "tcp://trainer-host:5557" and ex.weights["fetch_key"] == "K" * 40
