@@ -121,14 +121,24 @@ def _events_in(lines: Iterable[bytes], stem: str, needle: bytes = b"", offset: i
             continue
         try:
             event = json.loads(line)
-        except json.JSONDecodeError:
-            event = {"event": "unparsed_line", "text": line[:500]}
-        if not isinstance(event, dict):
+        except (json.JSONDecodeError, RecursionError):
+            event = None
+        if not _is_event(event):
             event = {"event": "unparsed_line", "text": line[:500]}
         if stem:
             event.setdefault("component", stem)
-        ts = event.get("ts")
-        yield float(ts) if isinstance(ts, (int, float)) else 0.0, event, line, offset
+        yield float(event.get("ts", 0.0)), event, line, offset
+
+
+def _is_event(event) -> bool:
+    """A log line as rlbus writes them: a JSON object whose `ts` (if any) is a time and whose level, event,
+    component and peer (if any) are strings. Anything else is shown as `unparsed_line`, never trusted."""
+    if not isinstance(event, dict):
+        return False
+    ts = event.get("ts", 0.0)
+    if type(ts) not in (int, float) or not 0 <= ts < 1e11:  # NaN fails too; 1e11 s is the year 5138
+        return False
+    return all(isinstance(event.get(k, ""), str) for k in ("level", "event", "component", "peer"))
 
 
 def format_event(event: dict) -> str:
@@ -181,9 +191,11 @@ def show(run_dir: str | Path, flt: Filter, as_json: bool = False, follow: bool =
 
 
 def read_events(run_dir: str | Path, components: Iterable[str] = ()) -> list[dict]:
-    """Every event of a run, merged by time (for tools such as the timeline)."""
+    """Every event of a run, merged by time (for tools such as the timeline): lines that are not events of
+    rlbus's (no `ts` or `event`, or not JSON at all) left out."""
     import io
 
     buf = io.StringIO()
     show(run_dir, Filter(tuple(components)), as_json=True, out=buf)
-    return [json.loads(line) for line in buf.getvalue().splitlines() if line.startswith("{")]
+    events = (json.loads(line) for line in buf.getvalue().splitlines() if line.startswith("{"))
+    return [e for e in events if "ts" in e and e.get("event", "unparsed_line") != "unparsed_line"]

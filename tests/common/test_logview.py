@@ -116,3 +116,20 @@ def test_captured_output_is_read_by_the_same_reader():
     assert [e["pid"] for e in events_in_text(text, "component_started")] == [7, 8]
     assert [e["event"] for e in events_in_text(text)] == ["component_started", "note", "component_started"]
     assert "component" not in events_in_text(text)[0]  # nothing added that the process did not write
+
+
+def test_lines_that_are_not_rlbus_events_are_shown_unparsed_and_never_break_a_tool(run_dir):
+    """A log damaged by hand or by a disk (text, other JSON, a `ts` that is not a time, a level that is not a
+    string, bytes that are not UTF-8, JSON nested past the parser) is shown line by line as `unparsed_line`;
+    `rlbus logs`, `--since` and the tools that read every event go on."""
+    import io
+
+    bad = ['not json', '{"event": "x", "ts": "soon"}', '{"ts": 1e300, "event": "far"}', '{"ts": true}',
+           '{"level": ["x"], "ts": 3}', '{"component": 5, "ts": 4}', '[1, 2]', '\x00\udcff', '[' * 100_000]
+    with open(run_dir / "logs" / "trainer.jsonl", "a", encoding="utf-8", errors="surrogateescape") as f:
+        f.write("".join(line + "\n" for line in bad))
+    for flt in (Filter(), Filter(since=3.5)):
+        buf = io.StringIO()
+        show(run_dir, flt, out=buf)
+        assert buf.getvalue().count("unparsed_line") == (len(bad) if not flt.since else 0)
+    assert [e["ts"] for e in read_events(run_dir)] == [1.0, 2.0, 3.0, 4.0, 5.0]
