@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import AfterValidator, Field, ValidationError, model_validator
 
 # The processes' sections live in sections.py (the reward's in reward_config.py) and are part of this module's API;
 # the run-wide ones are below.
@@ -59,14 +59,25 @@ class MetricsConfig(Section):
     """Also log the same scalars to this Weights & Biases project (needs `pip install wandb`; empty: off)."""
 
 
+def _cpu_list(spec: str) -> str:
+    try:
+        parse_cpus(spec)
+    except ConfigError as exc:
+        raise ValueError(str(exc)) from None
+    return spec
+
+
+CpuList = Annotated[str, AfterValidator(_cpu_list)]
+
+
 class LaunchConfig(Section):
     explorers: int = Field(1, ge=0)
     """Explorer processes `rlbus up` starts."""
-    broker_cpus: str = ""
+    broker_cpus: CpuList = ""
     """Cores the broker is pinned to, e.g. "0" or "0-1" (empty: not pinned)."""
-    trainer_cpus: str = ""
+    trainer_cpus: CpuList = ""
     """Cores the trainer is pinned to."""
-    explorer_cpus: list[str] = []
+    explorer_cpus: list[CpuList] = []
     """Cores per explorer, in order (explorer i gets entry i; missing entries: not pinned)."""
     on_crash: Literal["stop", "restart"] = "stop"
     """When a component exits with an error: stop the run, or start it again."""
@@ -212,12 +223,13 @@ def load_config(path: str | Path | None = None, sets: list[str] | None = None,
 
 
 def parse_cpus(spec: str) -> set[int]:
-    """ "0", "0-1", "0,2-3" -> a set of core numbers."""
+    """ "0", "0-1", "0,2-3" -> a set of core numbers; raises ConfigError for anything else."""
     cores: set[int] = set()
     for part in filter(None, (p.strip() for p in spec.split(","))):
         lo, _, hi = part.partition("-")
-        if not lo.isdigit() or (hi and not hi.isdigit()):
-            raise ConfigError(f"cpu list {spec!r}: use numbers and ranges like 0,2-3")
+        if not lo.isascii() or not lo.isdigit() or (hi and not (hi.isascii() and hi.isdigit())) \
+                or int(hi or lo) < int(lo):
+            raise ConfigError(f"cpu list {spec!r}: use core numbers and ranges like 0,2-3")
         cores.update(range(int(lo), int(hi or lo) + 1))
     return cores
 

@@ -74,9 +74,15 @@ def up(config: ConfigArg = None, set: SetOpt = None) -> None:
     """Run the whole system on this machine: broker, trainer and explorers as child processes."""
     cfg = _load(config, set)
     _logging(cfg, "up")
+    from rlbus.common.config import ConfigError
     from rlbus.launcher import run
 
-    raise typer.Exit(run(cfg))
+    try:
+        code = run(cfg)
+    except ConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    raise typer.Exit(code)
 
 
 @app.command()

@@ -34,7 +34,7 @@ from pathlib import Path
 import structlog
 
 from rlbus.broker import endpoints
-from rlbus.common.config import RunConfig, dump_config, parse_cpus
+from rlbus.common.config import ConfigError, LaunchConfig, RunConfig, dump_config, parse_cpus
 from rlbus.common.processes import terminate_with
 from rlbus.logview import events, last_event
 from rlbus.progress import RunView, wanted
@@ -54,8 +54,26 @@ class Child:
     restarts: int = 0
 
 
+def check_cores(launch: LaunchConfig) -> None:
+    """A component pinned to cores none of which this process may use is a ConfigError naming the setting; one
+    pinned to some it may not use runs on the others (as Linux does), said in a warning."""
+    have = os.sched_getaffinity(0)
+    cores = ", ".join(map(str, sorted(have))) if len(have) <= 16 else f"{len(have)}, {min(have)}-{max(have)}"
+    pinned = [("broker_cpus", launch.broker_cpus), ("trainer_cpus", launch.trainer_cpus),
+              *((f"explorer_cpus[{i}]", spec) for i, spec in enumerate(launch.explorer_cpus))]
+    for name, spec in pinned:
+        wanted = parse_cpus(spec)
+        if wanted and not wanted & have:
+            raise ConfigError(f"launch.{name} = {spec!r}: none of these cores is one this process may use "
+                              f"(it may use cores {cores})")
+        if wanted - have:
+            log.warning("cores_unavailable", setting=f"launch.{name}", cpus=spec, missing=sorted(wanted - have),
+                        runs_on=sorted(wanted & have))
+
+
 class Launcher:
     def __init__(self, cfg: RunConfig):
+        check_cores(cfg.launch)
         cfg = cfg.model_copy(deep=True)
         self._pin_ports(cfg, cfg.broker.port, cfg.broker.pub_port)  # a port 0 is pinned once the broker has bound one
         if cfg.launch.start_together and not cfg.trainer.wait_for_explorers:

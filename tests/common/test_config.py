@@ -49,6 +49,9 @@ def test_off_stays_a_string():
     (["data.revisit_times=0"], "data.revisit_times = 0"),
     (["broker.address=broker-host:5555"], "broker.address = 'broker-host:5555': must be tcp://HOST:PORT"),
     (["broker.pub_address=tcp://h"], "broker.pub_address = 'tcp://h': must be tcp://HOST:PORT"),
+    (["launch.trainer_cpus=0-x"], "launch.trainer_cpus = '0-x': cpu list '0-x': use core numbers and ranges"),
+    (["launch.broker_cpus=3-1"], "launch.broker_cpus = '3-1'"),
+    (['launch.explorer_cpus=["0", "²"]'], "launch.explorer_cpus.1 = '²'"),
     (["trainer.lr=inf"], "trainer.lr = 'inf': Input should be a finite number"),
     (["rollout.temperature=inf"], "rollout.temperature = 'inf': Input should be a finite number"),
     (["algorithm.kl_coef=-inf"], "algorithm.kl_coef = '-inf': Input should be a finite number"),
@@ -79,3 +82,18 @@ def test_every_field_is_documented():
 
     missing = [name for name, doc in walk(RunConfig) if not doc]
     assert not missing, f"fields without a docstring: {missing}"
+
+
+def test_a_component_pinned_only_to_cores_this_host_lacks_is_refused_before_anything_starts(tmp_path):
+    import os
+
+    from rlbus.launcher import Launcher
+
+    beyond = max(os.sched_getaffinity(0)) + 1
+    sets = [f"run.dir={tmp_path / 'run'}", "launch.explorers=2"]
+    cfg = load_config(None, sets + [f"launch.explorer_cpus=['0', '{beyond}-{beyond + 1}']"], environ={})
+    with pytest.raises(ConfigError, match=rf"launch.explorer_cpus\[1\] = '{beyond}-{beyond + 1}': none of these"):
+        Launcher(cfg)
+    assert not (tmp_path / "run").exists()
+    # Some of them missing (the default job's "0-1" on a one-core host): it runs on the others, as Linux would.
+    Launcher(load_config(None, sets + [f"launch.trainer_cpus=0-{beyond}"], environ={}))
