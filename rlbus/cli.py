@@ -37,6 +37,18 @@ def _load(config: Optional[Path], sets: Optional[list[str]]):
         raise typer.Exit(2) from None
 
 
+def _run(run, cfg) -> None:
+    """A component's entry point; a configuration it finds it cannot use (a model path that is not a model)
+    is one error line and exit 2, as for a bad setting (its log has the details)."""
+    from rlbus.common.config import ConfigError
+
+    try:
+        run(cfg)
+    except ConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+
+
 def _on_run(tool, run_dir: Path, *args):
     """A tool that reads a run directory: what it returns, or its error said plainly (exit 2)."""
     try:
@@ -100,7 +112,7 @@ def explorer(config: ConfigArg = None, set: SetOpt = None,
     _logging(cfg, "explorer", peer=cfg.explorer.name or None)
     from rlbus.explorer.main import run
 
-    run(cfg)
+    _run(run, cfg)
 
 
 @app.command()
@@ -120,7 +132,7 @@ def trainer(config: ConfigArg = None, set: SetOpt = None,
         raise typer.Exit(supervise(cfg))
     from rlbus.trainer.main import run
 
-    run(cfg)
+    _run(run, cfg)
 
 
 @app.command()

@@ -42,7 +42,7 @@ import torch
 
 from rlbus.common import protocol as P
 from rlbus.common.client import BrokerClient, BrokerError, BrokerUnreachable
-from rlbus.common.config import RunConfig
+from rlbus.common.config import ConfigError, RunConfig
 from rlbus.common import metrics as metrics_sink, telemetry
 from rlbus.common.logging import bind, significant
 from rlbus.trainer import checkpoint, distributed
@@ -371,6 +371,9 @@ def run(cfg: RunConfig) -> None:
                 trainer.run()
         else:
             trainer.run()
+    except ConfigError as exc:  # a setting it cannot use: said in one line, no traceback
+        log.error("trainer_failed", error=str(exc))
+        raise
     except Exception as exc:  # the log says why the trainer ended, not only stderr
         log.exception("trainer_failed", error=P.brief(exc))
         raise

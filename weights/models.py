@@ -26,6 +26,8 @@ from typing import Callable
 
 import structlog
 
+from rlbus.common.config import ConfigError
+
 log = structlog.get_logger()
 
 BUNDLED = {
@@ -161,9 +163,9 @@ def resolve_model(path: str, cache_dir: str = "") -> str:
         return str(prepare_bundled(path, cache_dir))
     if Path(path).is_dir():
         if not (Path(path) / "config.json").exists():
-            raise ValueError(f"model.path={path!r} is a directory without config.json; give an HF model directory")
+            raise ConfigError(f"model.path={path!r} is a directory without config.json; give an HF model directory")
         return str(Path(path).resolve())
     if path.count("/") == 1 and not path.startswith((".", "/")):
         return path  # a hub id; loading it needs a reachable hub
-    raise ValueError(f"model.path={path!r} is neither a bundled model ({sorted(BUNDLED)}), "
+    raise ConfigError(f"model.path={path!r} is neither a bundled model ({sorted(BUNDLED)}), "
                      f"a local HF model directory, nor a hub id (owner/name)")

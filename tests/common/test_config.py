@@ -97,3 +97,17 @@ def test_a_component_pinned_only_to_cores_this_host_lacks_is_refused_before_anyt
     assert not (tmp_path / "run").exists()
     # Some of them missing (the default job's "0-1" on a one-core host): it runs on the others, as Linux would.
     Launcher(load_config(None, sets + [f"launch.trainer_cpus=0-{beyond}"], environ={}))
+
+
+def test_a_model_path_that_is_no_model_is_one_error_line_and_exit_2(tmp_path):
+    import subprocess
+    import sys
+
+    not_a_model = tmp_path / "empty"
+    not_a_model.mkdir()
+    proc = subprocess.run([sys.executable, "-m", "rlbus.cli", "trainer", "--set", f"model.path={not_a_model}",
+                           "--set", f"run.dir={tmp_path / 'run'}", "--set", "logging.format=console"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert f"error: model.path='{not_a_model}' is a directory without config.json" in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
