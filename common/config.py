@@ -27,7 +27,7 @@ from rlbus.common.sections import (  # noqa: F401
     SyncConfig, TrainerConfig)
 
 
-class ConfigError(Exception):
+class ConfigError(ValueError):
     """A configuration that cannot be used; the message says what to change."""
 
 

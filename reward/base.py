@@ -23,6 +23,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import structlog
 
+from rlbus.common.config import ConfigError
+
 log = structlog.get_logger()
 
 
@@ -66,14 +68,14 @@ def resolve(spec: str) -> RewardFn:
         return REGISTRY[spec]
     module, sep, attr = spec.partition(":")
     if not sep:
-        raise ValueError(f"unknown reward {spec!r}: registered ones are {sorted(REGISTRY)}, "
+        raise ConfigError(f"unknown reward {spec!r}: registered ones are {sorted(REGISTRY)}, "
                          f"or give a dotted path like mypkg.rewards:score")
     try:
         fn = getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as exc:
-        raise ValueError(f"reward {spec!r} cannot be loaded: {exc}") from None
+        raise ConfigError(f"reward {spec!r} cannot be loaded: {exc}") from None
     if not callable(fn):
-        raise ValueError(f"reward {spec!r} is not callable")
+        raise ConfigError(f"reward {spec!r} is not callable")
     return fn
 
 

@@ -149,7 +149,7 @@ def reward(config: ConfigArg = None, set: SetOpt = None,
     _logging(cfg, "reward", peer=name)
     from rlbus.reward.worker import run
 
-    run(cfg, list(service or cfg.reward.services), name)
+    _run(lambda c: run(c, list(service or c.reward.services), name), cfg)
 
 
 @app.command()
@@ -307,9 +307,14 @@ def model_prepare(name: Annotated[str, typer.Argument(help="Bundled model name."
     from rlbus.progress import Phases, wanted
     from rlbus.weights.models import prepare_bundled
 
+    from rlbus.common.config import ConfigError
+
     view = Phases(f"model {name}") if wanted("auto") else None
     try:
         path = prepare_bundled(name, cache_dir, **({"phase": view} if view else {}))
+    except ConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
     finally:
         if view is not None:
             view.close()

@@ -91,7 +91,7 @@ def prepare_bundled(name: str = "smollm2-135m", cache_dir: str = "",
     """A ready HF model directory for the bundled model `name` (built on first use); `phase` hears each step
     of the work as it begins (for a progress view)."""
     if name not in BUNDLED:
-        raise ValueError(f"unknown bundled model {name!r}; bundled: {sorted(BUNDLED)}")
+        raise ConfigError(f"unknown bundled model {name!r}; bundled: {sorted(BUNDLED)}")
     target = cache_root(cache_dir) / name
     if (target / _READY).exists():
         return target

@@ -99,15 +99,22 @@ def test_a_component_pinned_only_to_cores_this_host_lacks_is_refused_before_anyt
     Launcher(load_config(None, sets + [f"launch.trainer_cpus=0-{beyond}"], environ={}))
 
 
-def test_a_model_path_that_is_no_model_is_one_error_line_and_exit_2(tmp_path):
+@pytest.mark.parametrize("command, error", [
+    (["trainer", "--set", "model.path={empty}"], "error: model.path='{empty}' is a directory without config.json"),
+    (["reward", "--service", "nosuch"], "error: unknown reward 'nosuch': registered ones are"),
+    (["model", "prepare", "nosuch"], "error: unknown bundled model 'nosuch'"),
+])
+def test_a_setting_a_component_finds_it_cannot_use_is_one_error_line_and_exit_2(tmp_path, command, error):
+    """Not a traceback: a model path that is no model, a reward service nobody registered, a model not bundled."""
     import subprocess
     import sys
 
-    not_a_model = tmp_path / "empty"
-    not_a_model.mkdir()
-    proc = subprocess.run([sys.executable, "-m", "rlbus.cli", "trainer", "--set", f"model.path={not_a_model}",
-                           "--set", f"run.dir={tmp_path / 'run'}", "--set", "logging.format=console"],
-                          capture_output=True, text=True, timeout=300)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    args = [a.format(empty=empty) for a in command]
+    if command[0] != "model":
+        args += ["--set", f"run.dir={tmp_path / 'run'}", "--set", "logging.format=console"]
+    proc = subprocess.run([sys.executable, "-m", "rlbus.cli", *args], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr
-    assert f"error: model.path='{not_a_model}' is a directory without config.json" in proc.stderr
+    assert error.format(empty=empty) in proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
