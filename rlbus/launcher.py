@@ -44,6 +44,10 @@ log = structlog.get_logger()
 GRACE_S = 20.0
 
 
+class BrokerFailed(RuntimeError):
+    """The broker of a run did not come up (it exited, or did not serve in time)."""
+
+
 @dataclass
 class Child:
     name: str
@@ -142,9 +146,11 @@ class Launcher:
         try:
             ports = endpoints.bound_ports(self.cfg.buffer_dir(), broker.proc, timeout)
         except TimeoutError as e:
-            raise TimeoutError(f"{e}; see {self.logs}/broker.out") from None
+            raise BrokerFailed(f"{e}; see {self.logs}/broker.out") from None
         if ports is None:
-            raise RuntimeError(f"the broker exited with {broker.proc.returncode}; see {self.logs}/broker.out")
+            errors = [e for e in events(self.logs / "broker.jsonl") if e.get("level") in ("error", "critical")]
+            why = f": {errors[-1].get('error') or errors[-1]['event']}" if errors else ""
+            raise BrokerFailed(f"the broker exited with {broker.proc.returncode}{why}; see {self.logs}/broker.jsonl")
         return ports
 
     def stop(self, *_: object) -> None:
@@ -201,7 +207,12 @@ class Launcher:
         log.info("run_starting", run_dir=str(self.run_dir), components=[c.name for c in self.children])
         try:
             self._start(self.children[0])
-            ports = self._wait_broker()
+            try:
+                ports = self._wait_broker()
+            except BrokerFailed as exc:  # nothing else was started: the reason, without a traceback
+                log.error("run_failed", error=str(exc))
+                self.exit_code = 1
+                return 1
             if not (self.cfg.broker.port and self.cfg.broker.pub_port):
                 self._pin_ports(self.cfg, *ports)
                 self.snapshot.write_text(dump_config(self.cfg))  # the others, and a restarted broker, read these

@@ -241,3 +241,19 @@ def _group_exists(pgid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def test_a_broker_that_cannot_come_up_ends_the_run_with_its_reason_and_no_traceback(tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "rlbus.cli", "up", "--set", f"run.dir={tmp_path / 'run'}",
+                               "--set", f"broker.port={port}", "--set", "launch.explorers=0",
+                               "--set", "logging.format=json"], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    failed = [e for e in events_in_text(proc.stderr + proc.stdout, "run_failed")]
+    assert len(failed) == 1 and "Address already in use" in failed[0]["error"], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr + proc.stdout
