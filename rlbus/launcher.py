@@ -148,10 +148,15 @@ class Launcher:
         except TimeoutError as e:
             raise BrokerFailed(f"{e}; see {self.logs}/broker.out") from None
         if ports is None:
-            errors = [e for e in events(self.logs / "broker.jsonl") if e.get("level") in ("error", "critical")]
-            why = f": {errors[-1].get('error') or errors[-1]['event']}" if errors else ""
-            raise BrokerFailed(f"the broker exited with {broker.proc.returncode}{why}; see {self.logs}/broker.jsonl")
+            why = self._last_error("broker")
+            raise BrokerFailed(f"the broker exited with {broker.proc.returncode}{f': {why}' if why else ''}; "
+                               f"see {self.logs}/broker.jsonl")
         return ports
+
+    def _last_error(self, name: str) -> str | None:
+        """What a component's log last said went wrong (its `error` field, else the event's name)."""
+        errors = [e for e in events(self.logs / f"{name}.jsonl") if e.get("level") in ("error", "critical")]
+        return str(errors[-1].get("error") or errors[-1]["event"])[:500] if errors else None
 
     def stop(self, *_: object) -> None:
         self._stopping = True
@@ -271,7 +276,7 @@ class Launcher:
         for child, code in exits:
             if code is None or (child is not trainer and code == 0 and child.command == "explorer"):
                 continue
-            log.error("component_failed", component=child.name, exit_code=code,
+            log.error("component_failed", component=child.name, exit_code=code, error=self._last_error(child.name),
                       log=str(self.logs / f"{child.name}.out"))
             if self.cfg.launch.on_crash == "restart" and child.restarts < self.cfg.launch.max_restarts:
                 child.restarts += 1

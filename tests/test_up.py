@@ -257,3 +257,15 @@ def test_a_broker_that_cannot_come_up_ends_the_run_with_its_reason_and_no_traceb
     failed = [e for e in events_in_text(proc.stderr + proc.stdout, "run_failed")]
     assert len(failed) == 1 and "Address already in use" in failed[0]["error"], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr + proc.stdout
+
+
+def test_a_component_that_fails_is_reported_with_the_reason_its_log_gives(tmp_path):
+    not_a_model = tmp_path / "empty"
+    not_a_model.mkdir()
+    proc = subprocess.run([sys.executable, "-m", "rlbus.cli", "up", "--set", f"run.dir={tmp_path / 'run'}",
+                           "--set", f"model.path={not_a_model}", "--set", "launch.explorers=0",
+                           "--set", "logging.format=json"], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    failed = events_in_text(proc.stderr + proc.stdout, "component_failed")
+    assert [(e["component"], e["exit_code"]) for e in failed] == [("trainer", 2)], proc.stderr[-2000:]
+    assert "is a directory without config.json" in failed[0]["error"]
