@@ -132,21 +132,22 @@ def _events_in(lines: Iterable[bytes], stem: str, needle: bytes = b"", offset: i
 
 def _is_event(event) -> bool:
     """A log line as rlbus writes them: a JSON object whose `ts` (if any) is a time and whose level, event,
-    component and peer (if any) are strings. Anything else is shown as `unparsed_line`, never trusted."""
+    component and peer (if any) are strings or null (a peer without a name). Anything else is shown as
+    `unparsed_line`, never trusted."""
     if not isinstance(event, dict):
         return False
     ts = event.get("ts", 0.0)
     if type(ts) not in (int, float) or not 0 <= ts < 1e11:  # NaN fails too; 1e11 s is the year 5138
         return False
-    return all(isinstance(event.get(k, ""), str) for k in ("level", "event", "component", "peer"))
+    return all(isinstance(event.get(k), (str, type(None))) for k in ("level", "event", "component", "peer"))
 
 
 def format_event(event: dict) -> str:
     ts = datetime.fromtimestamp(float(event.get("ts", 0))).strftime("%H:%M:%S.%f")[:-3]
-    who = event.get("component", "?") + (f"/{event['peer']}" if event.get("peer") else "")
+    who = (event.get("component") or "?") + (f"/{event['peer']}" if event.get("peer") else "")
     fields = " ".join(f"{k}={json.dumps(v) if isinstance(v, (dict, list)) else v}"
                       for k, v in event.items() if k not in _FIXED)
-    return f"{ts} {who:<22} {event.get('level', 'info'):<7} {event.get('event', '')} {fields}".rstrip()
+    return f"{ts} {who:<22} {event.get('level') or 'info':<7} {event.get('event') or ''} {fields}".rstrip()
 
 
 def _emit(out: TextIO, event: dict, as_json: bool) -> None:

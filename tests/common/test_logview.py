@@ -133,3 +133,16 @@ def test_lines_that_are_not_rlbus_events_are_shown_unparsed_and_never_break_a_to
         show(run_dir, flt, out=buf)
         assert buf.getvalue().count("unparsed_line") == (len(bad) if not flt.since else 0)
     assert [e["ts"] for e in read_events(run_dir)] == [1.0, 2.0, 3.0, 4.0, 5.0]
+
+
+def test_a_peer_without_a_name_logs_events_like_any_other(run_dir):
+    """`rlbus reward` or `rlbus explorer` started without --name binds peer None: its lines are events."""
+    import io
+
+    write(run_dir / "logs" / "reward.jsonl", {"ts": 4.5, "level": "info", "event": "reward_ready",
+                                              "component": "reward", "peer": None},
+          {"ts": 4.6, "level": None, "event": "odd", "component": None})
+    assert [e["event"] for e in read_events(run_dir) if 4 < e["ts"] < 5] == ["reward_ready", "odd"]
+    buf = io.StringIO()
+    show(run_dir, Filter(), out=buf)
+    assert "reward                 info    reward_ready" in buf.getvalue() and "unparsed_line" not in buf.getvalue()
