@@ -22,6 +22,22 @@ app.add_typer(config_app, name="config")
 model_app = typer.Typer(no_args_is_help=True, help="Prepare models that need no model hub.")
 app.add_typer(model_app, name="model")
 
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        from rlbus.common.protocol import PROTOCOL
+
+        typer.echo(f"rlbus {version('rlbus')} (wire protocol {PROTOCOL.decode()})")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(_: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                          help="Print rlbus's version and wire protocol, and exit.")] = False) -> None:
+    """rlbus: reinforcement fine-tuning of LLMs around a message broker."""
+
+
 ConfigArg = Annotated[Optional[Path], typer.Argument(help="YAML config file (defaults if omitted).")]
 BrokerOpt = Annotated[Optional[str], typer.Option(help="Broker address, e.g. tcp://HOST:5555.")]
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", "-s", help="Override a field: --set trainer.lr=1e-6")]

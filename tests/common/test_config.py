@@ -118,3 +118,12 @@ def test_a_setting_a_component_finds_it_cannot_use_is_one_error_line_and_exit_2(
     assert proc.returncode == 2, proc.stderr
     assert error.format(empty=empty) in proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
+
+
+def test_version_names_the_package_and_the_wire_protocol():
+    import subprocess
+    import sys
+    from importlib.metadata import version
+
+    proc = subprocess.run([sys.executable, "-m", "rlbus.cli", "--version"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout == f"rlbus {version('rlbus')} (wire protocol rlbus/1)\n"
