@@ -32,7 +32,10 @@ class Filter:
     since: float = 0.0
 
     def __post_init__(self) -> None:
-        self._grep = re.compile(self.grep) if self.grep else None
+        try:
+            self._grep = re.compile(self.grep) if self.grep else None
+        except re.error as exc:
+            raise ValueError(f"--grep {self.grep!r} is not a regular expression: {exc}") from None
 
     def keep(self, event: dict, raw: str) -> bool:
         if self.components and event.get("component") not in self.components:

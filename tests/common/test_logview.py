@@ -146,3 +146,8 @@ def test_a_peer_without_a_name_logs_events_like_any_other(run_dir):
     buf = io.StringIO()
     show(run_dir, Filter(), out=buf)
     assert "reward                 info    reward_ready" in buf.getvalue() and "unparsed_line" not in buf.getvalue()
+
+
+def test_a_grep_that_is_not_a_regular_expression_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"--grep '\(' is not a regular expression: missing \)"):
+        Filter(grep="(")
