@@ -26,8 +26,9 @@ def format_reward(task: Mapping[str, Any], response: Response, pattern: str = ""
             return RewardResult(1.0)
         return RewardResult(0.0, {"pattern": pattern}, "response does not match the required format")
     position = 0
-    for tag in tags or ("think", "answer"):
-        found = re.compile(rf"<{tag}>.*?</{tag}>", re.DOTALL).search(text, position)
+    for tag in ((tags,) if isinstance(tags, str) else tags) or ("think", "answer"):  # `tags: answer` is one tag
+        t = re.escape(tag)  # a tag is a name, never a pattern
+        found = re.compile(rf"<{t}>.*?</{t}>", re.DOTALL).search(text, position)
         if found is None:
             return RewardResult(0.0, {"missing": tag}, f"no <{tag}>...</{tag}> where expected")
         position = found.end()

@@ -67,3 +67,12 @@ def test_rewards_by_dotted_path_and_clear_errors():
         resolve("nonesuch")
     with pytest.raises(ValueError, match="cannot be loaded"):
         resolve("nowhere.module:fn")
+
+
+def test_format_tags_are_names_not_patterns():
+    fn = REGISTRY["format"]
+    assert fn({}, Response("<c++>x</c++>"), tags=("c++",)).score == 1.0  # a pattern, it raised re.error
+    assert fn({}, Response("<a.b>x</a.b>"), tags=("a.b",)).score == 1.0
+    assert fn({}, Response("<axb>x</axb>"), tags=("a.b",)).score == 0.0  # as a pattern, "." matched "x"
+    assert fn({}, Response("<answer>4</answer>"), tags="answer").score == 1.0  # one tag given as a string
+    assert fn({}, Response("<a>4</a>"), tags="answer").score == 0.0
