@@ -108,7 +108,7 @@ def combine(terms: Sequence[tuple[str, float, Mapping[str, Any]]]) -> RewardFn:
     """A weighted sum of rewards, each with its own parameters; details keep every term's result."""
     import functools
 
-    parts = [(name, weight, functools.partial(resolve(name), **dict(params)) if params else resolve(name))
+    parts = [(name, weight, functools.partial(_with_params(name, params), **dict(params)) if params else resolve(name))
              for name, weight, params in terms]
 
     def combined(task: Mapping[str, Any], response: Response) -> RewardResult:
@@ -122,6 +122,25 @@ def combine(terms: Sequence[tuple[str, float, Mapping[str, Any]]]) -> RewardFn:
         return RewardResult(total, details, "; ".join(reasons) if total == 0 else "")
 
     return combined
+
+
+def _with_params(name: str, params: Mapping[str, Any]) -> RewardFn:
+    """The reward `name`, once it is known to take `params` (a misspelt one would fail every call, each
+    sample scoring the failure score, and the run would train on nothing)."""
+    import inspect
+
+    fn = resolve(name)
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a callable without a signature: taken on trust
+        return fn
+    try:
+        signature.bind_partial(None, None, **dict(params))
+    except TypeError:
+        takes = [p for p in list(signature.parameters)[2:]]
+        raise ConfigError(f"reward term {name!r}: parameters {sorted(params)} do not fit it; it takes "
+                          f"{', '.join(takes) or 'none'}") from None
+    return fn
 
 
 def from_config(cfg) -> RewardFn:

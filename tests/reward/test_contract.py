@@ -76,3 +76,13 @@ def test_format_tags_are_names_not_patterns():
     assert fn({}, Response("<axb>x</axb>"), tags=("a.b",)).score == 0.0  # as a pattern, "." matched "x"
     assert fn({}, Response("<answer>4</answer>"), tags="answer").score == 1.0  # one tag given as a string
     assert fn({}, Response("<a>4</a>"), tags="answer").score == 0.0
+
+
+def test_a_reward_term_with_a_parameter_it_does_not_take_is_refused_when_built():
+    """Built, it would fail every call: each sample would score the failure score and the run train on nothing."""
+    from rlbus.common.config import ConfigError
+    from rlbus.reward.base import combine
+
+    with pytest.raises(ConfigError, match=r"reward term 'format': parameters \['patern'\] do not fit it; it takes "
+                                          r"pattern, tags"):
+        combine([("math", 1.0, {}), ("format", 0.5, {"patern": "x"})])
