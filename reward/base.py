@@ -69,7 +69,7 @@ def resolve(spec: str) -> RewardFn:
     module, sep, attr = spec.partition(":")
     if not sep:
         raise ConfigError(f"unknown reward {spec!r}: registered ones are {sorted(REGISTRY)}, "
-                         f"or give a dotted path like mypkg.rewards:score")
+                          f"or give a dotted path like mypkg.rewards:score")
     try:
         fn = getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as exc:
@@ -108,7 +108,7 @@ def combine(terms: Sequence[tuple[str, float, Mapping[str, Any]]]) -> RewardFn:
     """A weighted sum of rewards, each with its own parameters; details keep every term's result."""
     import functools
 
-    parts = [(name, weight, functools.partial(_with_params(name, params), **dict(params)) if params else resolve(name))
+    parts = [(name, weight, functools.partial(_with_params(name, params), **dict(params)))
              for name, weight, params in terms]
 
     def combined(task: Mapping[str, Any], response: Response) -> RewardResult:
@@ -137,7 +137,7 @@ def _with_params(name: str, params: Mapping[str, Any]) -> RewardFn:
     try:
         signature.bind_partial(None, None, **dict(params))
     except TypeError:
-        takes = [p for p in list(signature.parameters)[2:]]
+        takes = list(signature.parameters)[2:]
         raise ConfigError(f"reward term {name!r}: parameters {sorted(params)} do not fit it; it takes "
                           f"{', '.join(takes) or 'none'}") from None
     return fn

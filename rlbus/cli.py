@@ -7,11 +7,12 @@ never imports torch or vllm.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Iterator, Optional
 
 import typer
 
@@ -21,6 +22,7 @@ config_app = typer.Typer(no_args_is_help=True, help="Inspect and check configura
 app.add_typer(config_app, name="config")
 model_app = typer.Typer(no_args_is_help=True, help="Prepare models that need no model hub.")
 app.add_typer(model_app, name="model")
+
 
 def _version(value: bool) -> None:
     if value:
@@ -43,26 +45,24 @@ BrokerOpt = Annotated[Optional[str], typer.Option(help="Broker address, e.g. tcp
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", "-s", help="Override a field: --set trainer.lr=1e-6")]
 
 
-def _load(config: Optional[Path], sets: Optional[list[str]]):
-    from rlbus.common.config import ConfigError, load_config
-
-    try:
-        return load_config(config, sets or [])
-    except ConfigError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
-
-
-def _run(run, cfg) -> None:
-    """A component's entry point; a configuration it finds it cannot use (a model path that is not a model)
-    is one error line and exit 2, as for a bad setting (its log has the details)."""
+@contextlib.contextmanager
+def _config_errors() -> Iterator[None]:
+    """A configuration that cannot be used, whether found on loading it or by a component that takes it (a model
+    path that is not a model): one error line and exit 2 (the component's log has the details)."""
     from rlbus.common.config import ConfigError
 
     try:
-        run(cfg)
+        yield
     except ConfigError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
+
+
+def _load(config: Optional[Path], sets: Optional[list[str]]):
+    from rlbus.common.config import load_config
+
+    with _config_errors():
+        return load_config(config, sets or [])
 
 
 def _on_run(tool, run_dir: Path, *args):
@@ -102,14 +102,10 @@ def up(config: ConfigArg = None, set: SetOpt = None) -> None:
     """Run the whole system on this machine: broker, trainer and explorers as child processes."""
     cfg = _load(config, set)
     _logging(cfg, "up")
-    from rlbus.common.config import ConfigError
     from rlbus.launcher import run
 
-    try:
+    with _config_errors():
         code = run(cfg)
-    except ConfigError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
     raise typer.Exit(code)
 
 
@@ -128,7 +124,8 @@ def explorer(config: ConfigArg = None, set: SetOpt = None,
     _logging(cfg, "explorer", peer=cfg.explorer.name or None)
     from rlbus.explorer.main import run
 
-    _run(run, cfg)
+    with _config_errors():
+        run(cfg)
 
 
 @app.command()
@@ -148,7 +145,8 @@ def trainer(config: ConfigArg = None, set: SetOpt = None,
         raise typer.Exit(supervise(cfg))
     from rlbus.trainer.main import run
 
-    _run(run, cfg)
+    with _config_errors():
+        run(cfg)
 
 
 @app.command()
@@ -165,7 +163,8 @@ def reward(config: ConfigArg = None, set: SetOpt = None,
     _logging(cfg, "reward", peer=name)
     from rlbus.reward.worker import run
 
-    _run(lambda c: run(c, list(service or c.reward.services), name), cfg)
+    with _config_errors():
+        run(cfg, list(service or cfg.reward.services), name)
 
 
 @app.command()
@@ -323,14 +322,10 @@ def model_prepare(name: Annotated[str, typer.Argument(help="Bundled model name."
     from rlbus.progress import Phases, wanted
     from rlbus.weights.models import prepare_bundled
 
-    from rlbus.common.config import ConfigError
-
     view = Phases(f"model {name}") if wanted("auto") else None
     try:
-        path = prepare_bundled(name, cache_dir, **({"phase": view} if view else {}))
-    except ConfigError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
+        with _config_errors():
+            path = prepare_bundled(name, cache_dir, **({"phase": view} if view else {}))
     finally:
         if view is not None:
             view.close()

@@ -168,4 +168,4 @@ def resolve_model(path: str, cache_dir: str = "") -> str:
     if path.count("/") == 1 and not path.startswith((".", "/")):
         return path  # a hub id; loading it needs a reachable hub
     raise ConfigError(f"model.path={path!r} is neither a bundled model ({sorted(BUNDLED)}), "
-                     f"a local HF model directory, nor a hub id (owner/name)")
+                      f"a local HF model directory, nor a hub id (owner/name)")
