@@ -10,7 +10,6 @@ would run the collector every few trajectories: 15% of the loop's busy time in t
 from __future__ import annotations
 
 import gc
-import signal
 from pathlib import Path
 
 import structlog
@@ -19,6 +18,7 @@ from rlbus.broker.endpoints import BindError
 from rlbus.broker.metrics import serve_metrics
 from rlbus.broker.server import Broker
 from rlbus.common.config import RunConfig
+from rlbus.common.processes import on_stop_signals
 
 log = structlog.get_logger()
 
@@ -36,6 +36,5 @@ def run(cfg: RunConfig) -> None:
     gc.freeze()  # what start-up built (modules, the index restored from disk) is never scanned again
     gc.set_threshold(GC_YOUNG_THRESHOLD, 10, 10)
     serve_metrics(broker)
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, lambda *_: broker.stop())
+    on_stop_signals(broker.stop)
     broker.serve()

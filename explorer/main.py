@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import signal
 import threading
 import time
 from concurrent.futures import Future
@@ -43,6 +42,7 @@ from rlbus.common import metrics, protocol as P, telemetry
 from rlbus.common.client import BrokerClient, BrokerError, BrokerUnreachable, default_name
 from rlbus.common.config import RunConfig
 from rlbus.common.logging import bind
+from rlbus.common.processes import freeze_heap, on_stop_signals
 from rlbus.explorer.activity import Activity
 from rlbus.explorer.envs import make_env
 from rlbus.explorer.inflight import Loader, Stopping
@@ -369,7 +369,7 @@ def run(cfg: RunConfig) -> None:
     with engine:
         engine.warm_up()
         explorer = Explorer(cfg, engine)
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            signal.signal(sig, lambda *_: explorer.stop())
+        freeze_heap()
+        on_stop_signals(explorer.stop)
         with telemetry.start(cfg, "explorer", explorer.name):
             explorer.run()

@@ -11,7 +11,6 @@ reason (reward/base.py), so one bad item never loses the others.
 from __future__ import annotations
 
 import queue
-import signal
 import time
 from typing import Any, Callable
 
@@ -21,6 +20,7 @@ from rlbus.common import protocol as P, telemetry
 from rlbus.common.client import BrokerClient, default_name
 from rlbus.common.config import RunConfig
 from rlbus.common.logging import bind
+from rlbus.common.processes import freeze_heap, on_stop_signals
 from rlbus.reward.base import Response, RewardResult, evaluate, from_config, resolve
 
 log = structlog.get_logger()
@@ -124,9 +124,9 @@ class RemoteReward:
 def run(cfg: RunConfig, services: list[str], name: str | None = None) -> None:
     """Entry point of `rlbus reward`."""
     worker = RewardWorker(cfg, services, name)
+    freeze_heap()  # a reward model's weights and imports
     prometheus = telemetry.start(cfg, "reward", worker.name).prometheus
     if prometheus is not None:
         prometheus.add(worker)
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, lambda *_: worker.stop())
+    on_stop_signals(worker.stop)
     worker.run()

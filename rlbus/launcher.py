@@ -35,7 +35,7 @@ import structlog
 
 from rlbus.broker import endpoints
 from rlbus.common.config import ConfigError, LaunchConfig, RunConfig, dump_config, parse_cpus
-from rlbus.common.processes import terminate_with
+from rlbus.common.processes import on_stop_signals, terminate_with
 from rlbus.logview import events, last_event
 from rlbus.progress import RunView, wanted
 
@@ -207,8 +207,7 @@ class Launcher:
     # ---- the run ----------------------------------------------------------
 
     def run(self) -> int:
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGHUP: its terminal closed
-            signal.signal(sig, self.stop)
+        on_stop_signals(self.stop)  # SIGHUP too: its terminal closed
         log.info("run_starting", run_dir=str(self.run_dir), components=[c.name for c in self.children])
         try:
             self._start(self.children[0])

@@ -22,6 +22,7 @@ import zmq
 from rlbus.broker import endpoints
 from rlbus.common import protocol as P
 from rlbus.common.client import BrokerClient
+from rlbus.common.processes import freeze_heap
 from rlbus.logview import events
 
 REPO = Path(__file__).resolve().parent.parent
@@ -229,7 +230,9 @@ def tiny_model(tmp_path_factory) -> str:
     pytest.importorskip("transformers", reason="needs the engine extra (make test installs it)")
     from rlbus.weights.models import make_tiny, resolve_model
 
-    return str(make_tiny(tmp_path_factory.mktemp("tiny") / "model", resolve_model("smollm2-135m")))
+    path = str(make_tiny(tmp_path_factory.mktemp("tiny") / "model", resolve_model("smollm2-135m")))
+    freeze_heap()  # as rlbus processes do: transformers' heap, never scanned again (see freeze_heap)
+    return path
 
 
 @pytest.fixture(scope="session")
@@ -242,5 +245,6 @@ def engine(tiny_model):
     # and vLLM's CPU thread binding stays out of the test process.
     eng = Engine(tiny_model, dtype="float32", seed=0, max_model_len=512, kv_cache_mb=TINY_KV_MB, core="process")
     eng.warm_up()
+    freeze_heap()
     yield eng
     eng.close()

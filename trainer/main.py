@@ -45,6 +45,7 @@ from rlbus.common.client import BrokerClient, BrokerError, BrokerUnreachable
 from rlbus.common.config import ConfigError, RunConfig
 from rlbus.common import metrics as metrics_sink, telemetry
 from rlbus.common.logging import bind, significant
+from rlbus.common.processes import freeze_heap, on_stop_signals
 from rlbus.trainer import checkpoint, distributed
 from rlbus.trainer.distributed import Plan, World
 from rlbus.trainer.learner import Learner
@@ -358,9 +359,9 @@ def run(cfg: RunConfig) -> None:
         if world is not None:
             bind(rank=world.rank)
         trainer = Trainer(cfg, resolve_model(cfg.model.path, cfg.model.cache_dir), world=world)
+        freeze_heap()
         if trainer.main:
-            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-                signal.signal(sig, lambda *_: trainer.stop())
+            on_stop_signals(trainer.stop)
         else:
             # The other ranks stop when rank 0 says so, at a step's end (a terminal's ^C and hang-up reach every
             # rank); SIGTERM, which only a supervisor sends them, ends them at once.

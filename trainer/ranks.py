@@ -33,7 +33,7 @@ from pathlib import Path
 import structlog
 
 from rlbus.common.config import RunConfig, dump_config
-from rlbus.common.processes import terminate_with
+from rlbus.common.processes import on_stop_signals, terminate_with
 
 log = structlog.get_logger()
 
@@ -78,8 +78,7 @@ def supervise(cfg: RunConfig) -> int:
         if ranks[0].poll() is None:
             ranks[0].send_signal(signal.SIGTERM)
 
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, stop)
+    on_stop_signals(stop)
     while True:
         codes = [p.poll() for p in ranks]
         failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]

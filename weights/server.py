@@ -252,9 +252,9 @@ class WeightServer:
         self.sock.send_multipart([ident, MAGIC, ERROR, P.pack({"req": req, "code": code, "message": message})])
 
 def main(argv: list[str] | None = None) -> None:
-    """Serve a directory of published versions (v1/, v2/, ...) on its own, until SIGINT or SIGTERM."""
+    """Serve a directory of published versions (v1/, v2/, ...) on its own, until SIGTERM, SIGINT or SIGHUP."""
     import argparse
-    import signal
+    from rlbus.common.processes import on_stop_signals
 
     parser = argparse.ArgumentParser(prog="python -m rlbus.weights.server", description=main.__doc__)
     parser.add_argument("dir", help="the directory holding the published versions v1/, v2/, ...")
@@ -270,8 +270,7 @@ def main(argv: list[str] | None = None) -> None:
     server = WeightServer(args.dir, args.host, args.port, chunk_bytes=int(args.chunk_mb * (1 << 20)),
                           delta_priority=args.delta_priority)
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    on_stop_signals(stop.set)
     server.start()
     print(server.address, flush=True)
     # Python runs a signal's handler in the main thread, and a signal the kernel hands to one of the server's
