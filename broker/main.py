@@ -18,7 +18,7 @@ from rlbus.broker.endpoints import BindError
 from rlbus.broker.metrics import serve_metrics
 from rlbus.broker.server import Broker
 from rlbus.common.config import RunConfig
-from rlbus.common.processes import on_stop_signals
+from rlbus.common.processes import freeze_heap, on_stop_signals
 
 log = structlog.get_logger()
 
@@ -33,7 +33,7 @@ def run(cfg: RunConfig) -> None:
     except BindError as exc:  # a port in use, an address not of this host: said in one line, exit 1
         log.error("broker_bind_failed", error=str(exc))
         raise SystemExit(1) from None
-    gc.freeze()  # what start-up built (modules, the index restored from disk) is never scanned again
+    freeze_heap()  # what start-up built (modules, the index restored from disk) is never scanned again
     gc.set_threshold(GC_YOUNG_THRESHOLD, 10, 10)
     serve_metrics(broker)
     on_stop_signals(broker.stop)
