@@ -115,6 +115,7 @@ class LossConfig:
     is_high: float = 2.0
     kl_coef: float = 0.0
     kl_kind: str = "k3"
+    kl_clamp: float | None = None  # bound on each token's KL estimate (beyond it, no gradient)
     aggregation: str = "token-mean"
 
 
@@ -150,8 +151,9 @@ def policy_loss(logp: torch.Tensor, logp_prox: torch.Tensor, logp_behaviour: tor
     kl_mean = 0.0
     if logp_ref is not None and cfg.kl_coef:
         kl = kl_estimate(logp, logp_ref.detach(), cfg.kl_kind)
-        per_token = per_token + cfg.kl_coef * kl
-        kl_mean = float((kl.detach() * mask).sum() / mask.sum().clamp(min=1))  # a figure, not a graph
+        bounded = kl if cfg.kl_clamp is None else kl.clamp(-cfg.kl_clamp, cfg.kl_clamp)
+        per_token = per_token + cfg.kl_coef * bounded
+        kl_mean = float((kl.detach() * mask).sum() / mask.sum().clamp(min=1))  # the estimate itself, unbounded
     # Tokens the importance mask drops add zero but still count, so a batch split into micro-batches
     # (weighted by their share of response tokens) has the same loss and gradients as the whole.
     loss = aggregate(per_token * mask, response, cfg.aggregation)

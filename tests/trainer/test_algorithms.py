@@ -77,6 +77,24 @@ def test_k3_pulls_an_avoided_token_back_up_against_its_negative_advantage_and_k2
     assert grad_of("k3") < 0 < grad_of("k2")  # descent raises logp under k3, lowers it under k2
 
 
+
+def test_kl_clamp_leaves_a_token_beyond_the_bound_to_its_advantage_and_reports_the_estimate_itself():
+    """The same avoided token (k3 = 100 + ln 0.01 - 1 = 94.4): with kl_clamp 10 its KL term adds a constant
+    0.04 * 10 and no gradient, so the advantage alone lowers it; the logged kl is still 94.4. A token inside
+    the bound keeps k3's gradient."""
+    def loss_and_grad(p, ref, clamp):
+        logp = torch.tensor([[math.log(p)]], dtype=torch.float64, requires_grad=True)
+        loss, m = policy_loss(logp, logp.detach(), logp.detach(), torch.tensor([-2.0], dtype=torch.float64),
+                              torch.ones(1, 1, dtype=torch.bool),
+                              LossConfig(kl_coef=0.04, kl_kind="k3", kl_clamp=clamp),
+                              logp_ref=torch.tensor([[math.log(ref)]], dtype=torch.float64))
+        return loss.item(), torch.autograd.grad(loss, logp)[0].item(), m["kl"]
+    loss, g, kl = loss_and_grad(0.005, 0.5, 10.0)
+    assert kl == pytest.approx(100 + math.log(0.01) - 1)
+    assert loss == pytest.approx(2.0 + 0.04 * 10) and g == pytest.approx(2.0)  # -A * ratio: d/dlogp = 2
+    inside, unbounded = loss_and_grad(0.3, 0.5, 10.0), loss_and_grad(0.3, 0.5, None)
+    assert inside == pytest.approx(unbounded) and inside[1] != pytest.approx(2.0)
+
 def test_aggregations():
     loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
     mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
