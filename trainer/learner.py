@@ -11,6 +11,7 @@ micro-batches and the metrics are summed across ranks.
 from __future__ import annotations
 
 import os
+import warnings
 from collections import Counter
 from functools import partial
 from pathlib import Path
@@ -170,6 +171,10 @@ class Learner:
         metrics: dict[str, float] = {}
         if batch is not None and batch.size:
             metrics = self.train_on(batch, skipped=reply.header.get("skipped", 0))
+        else:  # no update, but the step counts: the schedule runs in steps, to lr x min_lr_ratio at total_steps
+            with warnings.catch_warnings():  # torch warns of a schedule step with no optimizer step before it
+                warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler\.step\(\)`", UserWarning)
+                self.scheduler.step()
         return batch, metrics
 
     def save(self) -> None:

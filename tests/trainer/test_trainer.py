@@ -139,7 +139,8 @@ def test_bad_trajectories_are_rejected_with_reasons_and_training_goes_on(broker_
 
 
 def test_nothing_to_train_still_counts_as_the_step(broker_factory, clients, tiny_model, tmp_path):
-    """Lockstep: an all-zero-spread batch produces no update, but the version moves so explorers never stall."""
+    """Lockstep: an all-zero-spread batch produces no update, but the version moves so explorers never stall,
+    and the learning-rate schedule moves with the step (a run that skips steps still decays to its floor)."""
     from rlbus.trainer.main import Trainer
 
     b = broker_factory("sync.sync_style=lockstep", "rollout.repeat=4", "data.batch_tasks=1")
@@ -147,8 +148,9 @@ def test_nothing_to_train_still_counts_as_the_step(broker_factory, clients, tiny
     lease = ex.request(P.LEASE, {"max_tasks": 1, "policy_version": 0}).header["tasks"][0]
     flat = [(dict(m, reward=1.0), p) for m, p in synthetic(lease["lease_id"], batch=0)]
     ex.put(flat, timeout=10)
-    cfg = trainer_config(b, tmp_path, "trainer.total_steps=1", "data.batch_tasks=1")
+    cfg = trainer_config(b, tmp_path, "trainer.total_steps=1", "data.batch_tasks=1", "trainer.lr_schedule=linear")
     trainer = Trainer(cfg, tiny_model)
+    assert trainer.scheduler.get_last_lr() == [cfg.trainer.lr]
     before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     with capture_logs() as logs:
         trainer.run()
@@ -156,6 +158,7 @@ def test_nothing_to_train_still_counts_as_the_step(broker_factory, clients, tiny
     assert step["samples"] == 0 and step["groups_dropped"] == 1 and step["new_version"] == 1
     assert all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
     assert clients(b, "tool", "t").weights["version"] == 1
+    assert trainer.scheduler.last_epoch == trainer.step == 1 and trainer.scheduler.get_last_lr() == [0.0]
 
 
 def test_first_step_waits_for_the_explorers_it_was_told_of(broker_factory, clients, tiny_model, tmp_path):
