@@ -101,7 +101,7 @@ class AlgorithmConfig(Section):
     kl_clamp: float | None = Field(None, gt=0)
     """Bound on each token's KL estimate, as [-kl_clamp, kl_clamp] (off when unset). A token beyond it adds a
     constant and no gradient: under k3, a sampled token the policy now finds far less likely than the reference
-    did (x below about -2.4 for a bound of 10) no longer dominates the step with its weight 1 - ref/pi."""
+    did (x below about -2.6 for a bound of 10) no longer dominates the step with its weight 1 - ref/pi."""
     aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
     """How token losses become the batch loss."""
     loss_denominator: Literal["trained", "batch"] = "trained"
