@@ -77,7 +77,6 @@ def test_k3_pulls_an_avoided_token_back_up_against_its_negative_advantage_and_k2
     assert grad_of("k3") < 0 < grad_of("k2")  # descent raises logp under k3, lowers it under k2
 
 
-
 def test_kl_clamp_leaves_a_token_beyond_the_bound_to_its_advantage_and_reports_the_estimate_itself():
     """The same avoided token (k3 = 100 + ln 0.01 - 1 = 94.4): with kl_clamp 10 its KL term adds a constant
     0.04 * 10 and no gradient, so the advantage alone lowers it; the logged kl is still 94.4. A token inside
@@ -94,6 +93,7 @@ def test_kl_clamp_leaves_a_token_beyond_the_bound_to_its_advantage_and_reports_t
     assert loss == pytest.approx(2.0 + 0.04 * 10) and g == pytest.approx(2.0)  # -A * ratio: d/dlogp = 2
     inside, unbounded = loss_and_grad(0.3, 0.5, 10.0), loss_and_grad(0.3, 0.5, None)
     assert inside == pytest.approx(unbounded) and inside[1] != pytest.approx(2.0)
+
 
 def test_aggregations():
     loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
