@@ -10,7 +10,8 @@ Each seed is a real `rlbus up` of the config with `data.seed` and
   above 0.90, counted as TRL's GRPOTrainer time is counted on this task: the
   wall time from the start of the first rollout, minus the held-out
   evaluation passes in between (engine start-up comes before the first
-  rollout); wall_s_to_0_9 beside it, from the launcher's start;
+  rollout; passes that ran beside training, with `explorer.eval_overlap`,
+  are not taken out); wall_s_to_0_9 beside it, from the launcher's start;
 - final_accuracy and last_three (the last three evaluations);
 - steps_per_hour (over training time) and trained tokens/s (trainer compute);
 - meets_targets: 0.9 within 330 s of training time, the last three
@@ -56,8 +57,10 @@ def analyse(run_dir: Path, started_ts: float) -> dict:
     origin = min(b["ts"] - b["rollout_s"] for b in batches)
 
     def train_time(ts: float) -> float:
-        """Seconds from the first rollout to `ts`, held-out evaluation passes left out."""
-        evaluating = sum(e["seconds"] for e in evals if e["ts"] - e["seconds"] >= origin and e["ts"] <= ts)
+        """Seconds from the first rollout to `ts`, held-out evaluation passes left out (those that ran beside
+        training, `explorer.eval_overlap`, held nothing up and stay in)."""
+        evaluating = sum(e["seconds"] for e in evals
+                         if not e.get("overlapped") and e["ts"] - e["seconds"] >= origin and e["ts"] <= ts)
         return ts - origin - evaluating
 
     reached = next((e for e in evals if e["accuracy"] >= REACH), None)

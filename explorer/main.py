@@ -3,12 +3,15 @@
 A batch at a time (the default), once per explorer batch:
 
 1. load the newest published weights if they are newer than the engine's
-   (a late joiner so receives the current weights before it generates);
+   (a late joiner so receives the current weights before it generates), and
+   evaluate them on the held-out set when one is due (`explorer.eval_every`);
 2. LEASE tasks with the engine's policy version. WAIT `version` means the
    sync rules need newer weights than these (lockstep): wait, logged with the
    version awaited, until the bus announces them, load them, lease again;
 3. roll the tasks out through the workflow and PUT the groups; the client
    resends until ACKed and holds PUTs while the broker gives no credit.
+   With `explorer.eval_overlap` the evaluation of step 1 comes here instead,
+   after the PUT, while the trainer trains on the batch.
 
 Streaming (`explorer.streaming`) keeps the engine full instead: it leases
 tasks whenever fewer than `explorer.inflight_tasks` are in flight, advances
@@ -142,8 +145,9 @@ class Explorer:
 
     # ---- held-out evaluation ----------------------------------------------
 
-    def evaluate(self, force: bool = False) -> float | None:
-        """Greedy accuracy on the held-out set with the current weights, logged as `eval`; once per version."""
+    def evaluate(self, force: bool = False, overlapped: bool = False) -> float | None:
+        """Greedy accuracy on the held-out set with the current weights, logged as `eval`; once per version.
+        `overlapped`: the pass runs beside training rather than in the loop's way (`explorer.eval_overlap`)."""
         every, version = self.cfg.explorer.eval_every, self.engine.version
         if not every or version in self.evaluated or not (force or version % every == 0):
             return None
@@ -162,7 +166,8 @@ class Explorer:
         accuracy = sum(1 for s in scores if s >= 1.0) / len(scores)
         self.evaluated.add(version)
         metrics.emit("eval", policy_version=version, accuracy=round(accuracy, 4), problems=len(tasks),
-                     elapsed_s=round(time.time() - self.started_at, 1), seconds=round(time.monotonic() - started, 2))
+                     elapsed_s=round(time.time() - self.started_at, 1), seconds=round(time.monotonic() - started, 2),
+                     overlapped=overlapped)
         return accuracy
 
     # ---- the loop ---------------------------------------------------------
@@ -209,9 +214,11 @@ class Explorer:
     def _batches(self, max_batches: int | None) -> list[Future]:
         """A batch at a time: lease, roll out, PUT (see the module docstring)."""
         pending: list[Future] = []
+        overlap = self.cfg.explorer.eval_overlap
         while not self.stop_event.is_set() and (max_batches is None or self.batches < max_batches):
             self._load_newest()
-            self.evaluate()
+            if not overlap:
+                self.evaluate()
             reply = self._lease(self.cfg.explorer.tasks_per_lease)
             if reply.command == P.DONE:
                 log.info("taskset_done")
@@ -233,6 +240,8 @@ class Explorer:
                          reward_mean=round(sum(rewards) / len(rewards), 4),
                          rollout_s=round(rollout_s, 3), tokens=tokens, tokens_per_s=round(tokens / rollout_s, 1))
             self._activity.tick(self.engine.in_flight)
+            if overlap:  # the batch is on its way to the trainer: evaluate its version while it trains
+                self.evaluate(overlapped=True)
         return pending
 
     def _on_wait(self, header: dict[str, Any]) -> None:

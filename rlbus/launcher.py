@@ -75,9 +75,26 @@ def check_cores(launch: LaunchConfig) -> None:
                         runs_on=sorted(wanted & have))
 
 
+def check_eval_overlap(cfg: RunConfig) -> None:
+    """`explorer.eval_overlap` where the evaluating explorer and a CPU trainer share cores: a warning, since the
+    two then run side by side on the same cores and each slows the other many times over."""
+    if not (cfg.explorer.eval_overlap and cfg.explorer.eval_every and cfg.launch.explorers
+            and cfg.trainer.device == "cpu"):
+        return
+    have = os.sched_getaffinity(0)
+    trainer = parse_cpus(cfg.launch.trainer_cpus) & have or have
+    explorer = (parse_cpus(cfg.launch.explorer_cpus[0]) if cfg.launch.explorer_cpus else set()) & have or have
+    if trainer & explorer:
+        log.warning("eval_overlap_on_shared_cores", cpus=sorted(trainer & explorer),
+                    hint="explorer.eval_overlap runs the held-out evaluation beside training: on cores they share, "
+                         "both slowed about 30-fold on a 2-core host (README); pin them apart (launch.trainer_cpus, "
+                         "launch.explorer_cpus) or leave it off")
+
+
 class Launcher:
     def __init__(self, cfg: RunConfig):
         check_cores(cfg.launch)
+        check_eval_overlap(cfg)
         cfg = cfg.model_copy(deep=True)
         self._pin_ports(cfg, cfg.broker.port, cfg.broker.pub_port)  # a port 0 is pinned once the broker has bound one
         if cfg.launch.start_together and not cfg.trainer.wait_for_explorers:

@@ -42,6 +42,32 @@ def test_a_trainer_that_finishes_while_the_launcher_looks_ends_the_run_as_finish
     assert launcher._check_children() is True and launcher.exit_code == 1
 
 
+
+def test_eval_overlap_on_cores_the_trainer_shares_is_warned_about():
+    """Evaluation beside training on the trainer's own cores slows both many times over: `rlbus up` says so."""
+    from structlog.testing import capture_logs
+
+    from rlbus.common.config import load_config
+    from rlbus.launcher import check_eval_overlap
+
+    have = sorted(os.sched_getaffinity(0))
+
+    def warned(*sets):
+        cfg = load_config(None, ["explorer.eval_overlap=true", "explorer.eval_every=3", "launch.explorers=1", *sets],
+                          environ={})
+        with capture_logs() as logs:
+            check_eval_overlap(cfg)
+        return [e for e in logs if e["event"] == "eval_overlap_on_shared_cores"]
+
+    assert warned(), "unpinned, both run on every core"
+    shared = warned(f'launch.trainer_cpus="{have[0]}"', f'launch.explorer_cpus=["{have[0]}"]')
+    assert shared and shared[0]["cpus"] == [have[0]]
+    assert not warned("explorer.eval_overlap=false")
+    assert not warned("explorer.eval_every=0")
+    assert not warned("trainer.device=cuda")
+    if len(have) > 1:
+        assert not warned(f'launch.trainer_cpus="{have[0]}"', f'launch.explorer_cpus=["{have[1]}"]')
+
 @pytest.mark.slow
 def test_up_runs_broker_a_two_rank_trainer_and_explorer_to_the_end(tiny_model, tmp_path):
     run_dir = tmp_path / "run"

@@ -130,6 +130,44 @@ def test_lockstep_explorer_waits_for_the_version_it_needs(broker_factory, client
         load_checkpoint(engine, tiny_model, weights_digest(tiny_model), 0)
 
 
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_held_out_evaluation_runs_before_the_batch_or_beside_its_training(broker_factory, clients, engine, tiny_model,
+                                                                          overlap):
+    """Lockstep: by default version v is evaluated before batch v is leased (the trainer waits for it); with
+    `explorer.eval_overlap` after batch v is PUT, while the trainer trains on it, still with version v."""
+    b = broker_factory("sync.sync_style=lockstep", "sync.sync_interval=1", "sync.sync_offset=0",
+                       "rollout.repeat=4", "rollout.max_tokens=8", "data.batch_tasks=2")
+    trainer = clients(b, "trainer", "tr")
+    ex = Explorer(explorer_config(b, "explorer.eval_every=1", "data.eval_size=4",
+                                  f"explorer.eval_overlap={str(overlap).lower()}"), engine, name="ex-eval")
+    seen, evaluate = [], ex.evaluate
+
+    def recording(force=False, overlapped=False):
+        accuracy = evaluate(force, overlapped)
+        if accuracy is not None:
+            seen.append((ex.engine.version, ex.batches, overlapped))
+        return accuracy
+    ex.evaluate = recording
+    thread = threading.Thread(target=ex.run, kwargs={"max_batches": 2})
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while (ex.batches < 1 or len(seen) < 1) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        _, metas, _ = fetch_all(trainer, step=0, max_groups=2)
+        assert {m["batch_index"] for m in metas} == {0}
+        trainer.request(P.COMMIT, {"step": 0})
+        publish(trainer, tiny_model, 1)
+        thread.join(60)
+        assert not thread.is_alive() and ex.batches == 2
+        # (version evaluated, batches PUT by then, beside training)
+        assert seen == ([(0, 1, True), (1, 2, True)] if overlap else [(0, 0, False), (1, 1, False)])
+    finally:
+        ex.stop()
+        thread.join(10)
+        load_checkpoint(engine, tiny_model, weights_digest(tiny_model), 0)
+
 def test_trajectory_metadata_passes_the_broker_schema(engine):
     """What the workflow builds is exactly what PUT validation accepts."""
     from rlbus.explorer.rollout import roll_out
