@@ -60,10 +60,11 @@ def main() -> None:
 
     setup_logging("bench", "warning", "json")
     model = Path(resolve_model(args.model))
+    job = REPO / "configs" / "arith.yaml"  # broker and explorer agree on the default job's rollout settings
     with tempfile.TemporaryDirectory(prefix="rlbus-bench-") as tmp, \
             broker_process([f"buffer.dir={tmp}", f"run.dir={tmp}", "sync.sync_style=async",
-                            "sync.max_staleness=1000", "logging.level=warning"], Path(tmp)) as broker:
-        cfg = with_rollout_dtype(load_config(REPO / "configs" / "arith.yaml",
+                            "sync.max_staleness=1000", "logging.level=warning"], Path(tmp), config=job) as broker:
+        cfg = with_rollout_dtype(load_config(job,
                                              [f"broker.address={broker.address}", f"broker.pub_port={broker.pub_port}",
                                               "sync.sync_style=async", "sync.max_staleness=1000"], environ={}))
         # The default job's engine; its core stops on the way out.

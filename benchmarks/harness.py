@@ -38,12 +38,14 @@ def bound_ports(buffer_dir: Path, proc: subprocess.Popen) -> tuple[int, int]:
 
 
 @contextmanager
-def broker_process(sets: list[str], buffer_dir: Path, profile: str = "") -> Iterator[Broker]:
-    """`rlbus broker` with `--set` overrides, on ports it picks itself (no other process can take them between
-    choosing and binding), ready when this yields; stopped with SIGTERM after."""
+def broker_process(sets: list[str], buffer_dir: Path, profile: str = "", config: Path | None = None
+                   ) -> Iterator[Broker]:
+    """`rlbus broker` (of `config`, when given) with `--set` overrides, on ports it picks itself (no other process
+    can take them between choosing and binding), ready when this yields; stopped with SIGTERM after."""
     prefix = ["-m", "cProfile", "-o", profile] if profile else []
     sets = ["broker.port=0", "broker.pub_port=0", *sets]
-    cmd = [sys.executable, *prefix, "-m", "rlbus.cli", "broker"] + [x for s in sets for x in ("--set", s)]
+    cmd = [sys.executable, *prefix, "-m", "rlbus.cli", "broker", *([str(config)] if config else [])]
+    cmd += [x for s in sets for x in ("--set", s)]
     # SIGTERM when this benchmark dies, even by SIGKILL: a broker left behind would hold its ports for ever.
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, preexec_fn=partial(terminate_with, os.getpid()))
     try:
