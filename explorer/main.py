@@ -240,7 +240,7 @@ class Explorer:
                          reward_mean=round(sum(rewards) / len(rewards), 4),
                          rollout_s=round(rollout_s, 3), tokens=tokens, tokens_per_s=round(tokens / rollout_s, 1))
             self._activity.tick(self.engine.in_flight)
-            if overlap:  # the batch is on its way to the trainer: evaluate its version while it trains
+            if overlap and not self.stop_event.is_set():  # batch on its way to the trainer: evaluate while it trains
                 self.evaluate(overlapped=True)
         return pending
 
