@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -81,7 +82,8 @@ def resolve(spec: str) -> RewardFn:
 
 def evaluate(fn: RewardFn, task: Mapping[str, Any], response: Response, failure_score: float = 0.0,
              name: str = "") -> RewardResult:
-    """Call a reward safely: exceptions and non-finite scores become `failure_score` with a reason."""
+    """Call a reward safely: exceptions and non-finite scores become `failure_score` with a reason, and the
+    details become what a trajectory can carry (`plain`)."""
     try:
         result = fn(task, response)
     except Exception as exc:  # a plugin's bug must not stop rollouts
@@ -89,12 +91,32 @@ def evaluate(fn: RewardFn, task: Mapping[str, Any], response: Response, failure_
         return RewardResult(failure_score, {"error": repr(exc)[:300]}, "reward raised an exception")
     if not isinstance(result, RewardResult):
         result = RewardResult(float(result))
+    details = plain(result.details) if isinstance(result.details, Mapping) else {"details": plain(result.details)}
     if not isinstance(result.score, (int, float)) or not math.isfinite(result.score):
         log.warning("reward_not_finite", reward=name, task_id=task.get("task_id"), score=repr(result.score))
-        return RewardResult(failure_score, {**result.details, "raw_score": repr(result.score)},
+        return RewardResult(failure_score, {**details, "raw_score": repr(result.score)},
                             "reward was not a finite number")
-    result.score = float(result.score)
-    return result
+    return RewardResult(float(result.score), details, str(result.reason or ""))
+
+
+MAX_DETAILS_DEPTH = 8
+
+
+def plain(value: Any, depth: int = 0) -> Any:
+    """`value` as a trajectory's payload can carry it (msgpack): None, bools, strings, bytes, floats, integers of
+    64 bits, and lists and maps of them, MAX_DETAILS_DEPTH deep. Anything else (a larger integer, a set, an
+    object, deeper nesting) becomes its repr, cut to 300 characters: a reward's details never stop a rollout."""
+    if value is None or isinstance(value, (bool, str, bytes, float)):
+        return value
+    if isinstance(value, numbers.Integral) and -(1 << 63) <= value < (1 << 64):
+        return int(value)
+    if isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral):
+        return float(value)
+    if depth < MAX_DETAILS_DEPTH and isinstance(value, (list, tuple)):
+        return [plain(v, depth + 1) for v in value]
+    if depth < MAX_DETAILS_DEPTH and isinstance(value, Mapping):
+        return {k if isinstance(k, str) else repr(k)[:300]: plain(v, depth + 1) for k, v in value.items()}
+    return repr(value)[:300]
 
 
 def _by_kind(task: Mapping[str, Any], response: Response) -> RewardResult | float:

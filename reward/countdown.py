@@ -39,11 +39,13 @@ def countdown(task: Mapping[str, Any], response: Response) -> RewardResult:
     used: list[int] = []
     try:
         value = _evaluate(ast.parse(equation, mode="eval"), used)
-    except (SyntaxError, ValueError, ZeroDivisionError, RecursionError) as exc:
+        off = abs(value - float(task["target"]))
+    except (SyntaxError, ValueError, ZeroDivisionError, RecursionError, OverflowError) as exc:
+        # OverflowError: long literals whose product or quotient no float holds ("10000000000 ** 40" written out)
         return RewardResult(0.0, {"equation": equation}, f"equation does not evaluate: {exc}")
     details = {"equation": equation, "value": value}
     if Counter(used) != Counter(int(n) for n in task["numbers"]):
         return RewardResult(0.0, details, f"uses {sorted(used)}, not each of {sorted(task['numbers'])} once")
-    if abs(value - float(task["target"])) > 1e-6:
+    if off > 1e-6:
         return RewardResult(0.0, details, f"equals {value}, not {task['target']}")
     return RewardResult(1.0, details)

@@ -27,8 +27,7 @@ log = structlog.get_logger()
 
 
 def _plain(result: RewardResult) -> dict[str, Any]:
-    details = {k: v for k, v in result.details.items() if isinstance(v, (str, int, float, bool, list, dict, type(None)))}
-    return {"score": result.score, "details": details, "reason": result.reason}
+    return {"score": result.score, "details": result.details, "reason": result.reason}  # `evaluate` made them plain
 
 
 class RewardWorker:

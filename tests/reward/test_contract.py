@@ -6,8 +6,9 @@ import math
 
 import pytest
 
+from rlbus.common.protocol import pack, unpack
 from rlbus.common.tasksets import ArithTaskset, CountdownTaskset, GuessTaskset
-from rlbus.reward.base import REGISTRY, Response, RewardResult, _load_builtins, evaluate, resolve
+from rlbus.reward.base import REGISTRY, Response, RewardResult, _load_builtins, evaluate, plain, resolve
 
 _load_builtins()
 TASKS = {"arith": ArithTaskset(0).task(0), "countdown": CountdownTaskset(0).task(0), "guess": GuessTaskset(0).task(0),
@@ -15,7 +16,8 @@ TASKS = {"arith": ArithTaskset(0).task(0), "countdown": CountdownTaskset(0).task
          "length_penalty": {"answer": ""}, "code": {"tests": ["assert f(2) == 4"]}, "rm": {"prompt": "x"}}
 RIGHT = {"math": "so the answer is \\boxed{0.5}", "format": "<think>a</think> <answer>b</answer>",
          "length_penalty": "short", "code": "```python\ndef f(x):\n    return 2 * x\n```", "countdown": None, "rm": None}
-MALFORMED = ["", " ", "\x00\xff", "9" * 5000, "((((((", "<|im_end|>", "NaN", "1/0", "🙂" * 100]
+MALFORMED = ["", " ", "\x00\xff", "9" * 5000, "((((((", "<|im_end|>", "NaN", "1/0", "🙂" * 100,
+             "12345678901234567890 * 98765432109876543210", "1" * 400 + " / 3"]
 
 
 @pytest.mark.parametrize("name", sorted(REGISTRY))
@@ -29,8 +31,30 @@ def test_reward_contract(name):
     for text in MALFORMED:
         result = evaluate(fn, task, Response(text, (1, 2)))
         assert isinstance(result, RewardResult) and math.isfinite(result.score)
+        pack(result.details)  # a trajectory carries them
         if result.score == 0.0:
             assert result.reason, f"{name} scored {text!r:.20} zero without a reason"
+
+
+def test_details_a_trajectory_cannot_carry_become_their_repr():
+    """A countdown product past 64 bits stopped a streaming explorer (msgpack refused it); any reward's details
+    now arrive as msgpack carries them."""
+    np = pytest.importorskip("numpy")
+    deep: dict = {"x": 1}
+    for _ in range(20):
+        deep = {"d": deep}
+    details = {"big": 1 << 70, "small": -(1 << 63), "set": {1}, "f32": np.float32(0.5), "i64": np.int64(3),
+               "nested": [1, (2, "a")], 7: "key", "deep": deep, "nan": float("nan")}
+    r = evaluate(lambda t, resp: RewardResult(1.0, details), {}, Response("a"))
+    got = unpack(pack(r.details))
+    assert got["big"] == str(1 << 70) and got["small"] == -(1 << 63) and got["set"] == "{1}"
+    assert got["f32"] == 0.5 and got["i64"] == 3 and got["nested"] == [1, [2, "a"]] and got["7"] == "key"
+    assert math.isnan(got["nan"]) and "'d'" in str(got["deep"])  # cut to a repr past its depth
+    assert evaluate(lambda t, resp: RewardResult(0.0, ["not", "a map"], "why"), {}, Response("a")).details == {
+        "details": ["not", "a map"]}
+    assert plain(object()).startswith("<object object")
+    cd = evaluate(REGISTRY["countdown"], TASKS["countdown"], Response("12345678901234567890 * 98765432109876543210"))
+    assert cd.score == 0.0 and cd.details["value"] == str(12345678901234567890 * 98765432109876543210)
 
 
 def test_exceptions_and_non_finite_scores_become_the_failure_score():
