@@ -1,16 +1,20 @@
 """Where an explorer's time goes, on the bundled model (SmolLM2-135M-Instruct).
 
 A real broker process and an in-process explorer with a real vLLM engine
-(CPU here) run `--batches` explorer batches of the default task (4 prompts x
-8 samples, 24 new tokens). Every `--reload-every` batches a checkpoint is
-published, so the explorer also loads weights the way it does in a run. The
-wall time of the explorer loop is split into time inside vLLM's generate and
-everything else (broker I/O, rewards, payload encoding, weight loads). The
-same run times the checkpoint reload beside a plain read of the same files.
+(CPU here) run `--batches` explorer batches of the default job. Every
+`--reload-every` batches a checkpoint is published, so the explorer also
+loads weights the way it does in a run. The wall time of the explorer loop
+is split into time inside vLLM's engine steps (the engine's own count:
+rollouts and held-out evaluations) and everything else (broker I/O,
+rewards, payload encoding, weight loads). The same run times the checkpoint
+reload beside a plain read of the same files, and a decode step with 1, 2,
+4, ... 32 sequences in it: what the tail of a batch, when few samples are
+left, costs per token.
 
     python benchmarks/explorer.py [--batches N] [--reload-every K]
 
-Last line: one JSON object with generate_share, reload_s, file_read_s.
+Last line: one JSON object with generate_share, reload_s, file_read_s,
+digest_s and decode_step_ms (milliseconds by sequences in the step).
 """
 
 from __future__ import annotations
@@ -36,6 +40,24 @@ def read_files(directory: Path) -> float:
             while f.read(16 << 20):
                 pass
     return time.perf_counter() - started
+
+
+def decode_step_ms(engine, sequences: tuple[int, ...], max_tokens: int) -> dict[str, float]:
+    """Median milliseconds of a decode step with each number of sequences in it (one request of that many samples
+    of one prompt; its prefill and first step left out): what a batch's tail costs per token."""
+    import statistics
+
+    prompt = engine.chat_prompt([{"role": "user", "content": "Write a long story about a cat."}])
+    out = {}
+    for n in sequences:
+        engine.submit(f"steps-{n}", prompt, n=n, max_tokens=max_tokens)
+        times = []
+        while engine.in_flight:
+            started = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - started)
+        out[str(n)] = round(statistics.median(times[2:]) * 1e3, 2)
+    return out
 
 
 def main() -> None:
@@ -70,18 +92,6 @@ def main() -> None:
         # The default job's engine; its core stops on the way out.
         with Engine(str(model), dtype=cfg.rollout.dtype, seed=0, kv_cache_mb=cfg.explorer.kv_cache_mb) as engine:
             engine.warm_up()
-            gen_time = 0.0
-            generate = engine.generate
-
-            def timed(*a, **kw):
-                nonlocal gen_time
-                t = time.perf_counter()
-                try:
-                    return generate(*a, **kw)
-                finally:
-                    gen_time += time.perf_counter() - t
-
-            engine.generate = timed
             trainer = BrokerClient(broker.address, "trainer", "bench-trainer")
             trainer.start(30)
             digest = weights_digest(model)
@@ -101,9 +111,10 @@ def main() -> None:
 
             thread = threading.Thread(target=publisher, daemon=True)
             thread.start()
-            started = time.perf_counter()
+            started, busy = time.perf_counter(), engine.busy_s
             explorer.run(max_batches=args.batches)
             wall = time.perf_counter() - started
+            gen_time = engine.busy_s - busy  # in engine steps: generation, rollouts and evaluations alike
             trainer.close()
             def reload(version: int) -> float:
                 started = time.perf_counter()
@@ -114,13 +125,17 @@ def main() -> None:
             file_read_s = min(read_files(model) for _ in range(3))
             digest_s = min((lambda t: (weights_digest(model), time.perf_counter() - t)[1])(time.perf_counter())
                            for _ in range(2))
+            steps = decode_step_ms(engine, (1, 4) if args.smoke else (1, 2, 4, 8, 16, 32), 8 if args.smoke else 48)
     share = gen_time / wall
     print(f"explorer wall {wall:.2f} s over {args.batches} batches ({published[0]} weight loads), "
           f"{gen_time:.2f} s generating: share {share:.3f}")
-    print(f"checkpoint reload {reload_s:.3f} s (digest {digest_s:.3f} s of it), plain read of the files {file_read_s:.3f} s")
+    print(f"checkpoint reload {reload_s:.3f} s (digest {digest_s:.3f} s of it), "
+          f"plain read of the files {file_read_s:.3f} s")
+    print("decode step by sequences in it: " + ", ".join(f"{n}: {ms} ms" for n, ms in steps.items()))
     print(json.dumps({"generate_share": round(share, 4), "reload_s": round(reload_s, 3),
-                      "file_read_s": round(file_read_s, 3), "digest_s": round(digest_s, 3),
-                      "batches": args.batches, "reload_every": args.reload_every, "weight_loads": published[0], "wall_s": round(wall, 2)}))
+                      "file_read_s": round(file_read_s, 3), "digest_s": round(digest_s, 3), "decode_step_ms": steps,
+                      "batches": args.batches, "reload_every": args.reload_every, "weight_loads": published[0],
+                      "wall_s": round(wall, 2)}))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Streaming explorers (in-flight weight updates) against batch-at-a-time multi-explorer async, same workload.
 
     .venv/bin/python benchmarks/streaming.py [--trainer paced|real] [--steps N] [--model smollm2-135m]
-                                             [--workloads even,uneven]
+                                             [--workloads even,uneven,long]
 
 Each workload runs the presets `multi_explorer_async` and `streaming` (as
 shipped: `explorer.swap_kv: keep`, `explorer.swap_lag: 2`, a swap every
@@ -13,7 +13,10 @@ work). Workloads:
 
 - even: the default task ("a + b"), responses of at most 24 tokens;
 - uneven: the countdown task with up to 160 tokens, where response lengths
-  spread widely and a batch waits for its slowest sample.
+  spread widely and a batch waits for its slowest sample;
+- long: the same with up to 512 tokens (SmolLM2-135M at temperature 1.1:
+  half its answers under 50 tokens, three in ten run to the limit), where
+  that wait is longest.
 
 Trainers:
 
@@ -58,6 +61,7 @@ from benchmarks.modes import explorer_figures, measure, run_mode  # noqa: E402
 WORKLOADS = {
     "even": (),
     "uneven": ("data.taskset=countdown", "rollout.max_tokens=160"),
+    "long": ("data.taskset=countdown", "rollout.max_tokens=512"),  # explorer.kv_cache_mb: 32 such sequences fit
 }
 # name: (preset, settings beside it)
 MODES = {"multi_explorer_async": ("multi_explorer_async", ()), "streaming": ("streaming", ()),
@@ -167,7 +171,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16, help="steps per run")
     parser.add_argument("--warmup", type=int, default=3, help="steps dropped from each run's figures")
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--workloads", default="even,uneven")
+    parser.add_argument("--workloads", default="even,uneven,long", help=f"of {', '.join(WORKLOADS)}")
     parser.add_argument("--modes", default=",".join(MODES), help=f"of {', '.join(MODES)}")
     parser.add_argument("--keep", action="store_true", help="keep the run directories (printed)")
     parser.add_argument("--explorers", type=int, default=2, help="explorers per run (paced trainer)")

@@ -305,7 +305,9 @@ class ExplorerConfig(Section):
     (sync_style async) swap new weights in between two engine steps with the requests in flight kept. Off: a
     batch at a time, new weights between batches."""
     inflight_tasks: int = Field(0, ge=0)
-    """Streaming: tasks kept in flight (each `repeat` samples). 0: tasks_per_lease."""
+    """Streaming: the engine is kept generating up to this many tasks' samples (inflight_tasks x repeat sequences):
+    a task is leased as soon as samples that ended leave room for its own, even while their group waits for its
+    slowest one. 0: tasks_per_lease."""
     swap_kv: Literal["recompute", "keep"] = "recompute"
     """Requests in flight when new weights are swapped in: recompute their KV under the new weights (exact: every
     token is sampled from the version it is labelled with, at the cost of a prefill of everything in flight per

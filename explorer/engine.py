@@ -119,6 +119,12 @@ class Engine:
         """Requests submitted and not yet returned by `step`."""
         return len(self._requests)
 
+    @property
+    def sequences(self) -> int:
+        """Samples still being generated: vLLM runs a request of n samples as n sequences, and each leaves the
+        engine as it ends, while the request is returned only once all n have."""
+        return self.llm.llm_engine.get_num_unfinished_requests()
+
     def submit(self, request_id: str, prompt: Sequence[int], n: int = 1, temperature: float = 1.0,
                top_p: float = 1.0, max_tokens: int = 64, stop_token_ids: list[int] | None = None) -> None:
         """Start generating `n` samples of `prompt`; `step` returns them, under `request_id`, once all are done."""
@@ -141,11 +147,12 @@ class Engine:
             while self._loading.is_set():  # a load waits for the lock: let it in (a Lock is not fair)
                 time.sleep(0.001)
             with self._lock:
+                sequences = self.sequences
                 started = time.monotonic()
                 outputs = self.llm.llm_engine.step()
                 elapsed = time.monotonic() - started
             self.busy_s += elapsed
-            self.sequence_s += running * elapsed
+            self.sequence_s += sequences * elapsed
             for out in outputs:
                 if out.finished:
                     done[out.request_id] = [_sample(c) for c in sorted(out.outputs, key=lambda c: c.index)]

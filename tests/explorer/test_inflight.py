@@ -129,6 +129,77 @@ def test_generate_leaves_other_requests_in_flight_to_their_owner(engine):
     assert list(done) == ["mine"] and len(done["mine"]) == 2
 
 
+def test_sequences_count_the_samples_still_generating(engine):
+    """A request of n samples is n sequences, and a sample that ends leaves while its request goes on."""
+    prompt = engine.chat_prompt([{"role": "user", "content": "Count."}])
+    engine.submit("short", prompt, n=2, max_tokens=2)
+    engine.submit("long", prompt, n=1, max_tokens=40)
+    assert engine.sequences == 3 and engine.in_flight == 2
+    seen = set()
+    while engine.in_flight:
+        done = engine.step()
+        seen.add((tuple(sorted(done)), engine.sequences))
+    assert ("short",) in {rids for rids, _ in seen} and engine.sequences == 0
+    assert (("short",), 1) in seen  # the long one went on alone (the random tiny model seldom stops early)
+
+
+class StragglerEngine:
+    """A stand-in engine for the streaming explorer's leasing (a unit test: the real engine's count of the samples
+    still generating is checked against vLLM above): sample 0 of every request takes `long` steps, the others
+    one. Records the most requests and sequences it ever held."""
+
+    version, busy_s, paused_s, sequence_s = 0, 0.0, 0.0, 0.0
+
+    def __init__(self, long: int):
+        self.long = long
+        self.requests: dict[str, list[int]] = {}  # request -> steps each sample has left
+        self.most_requests = self.most_sequences = 0
+
+    def chat_prompt(self, messages) -> list[int]:
+        return [1, 2, 3]
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.requests)
+
+    @property
+    def sequences(self) -> int:
+        return sum(left > 0 for samples in self.requests.values() for left in samples)
+
+    def submit(self, request_id, prompt, n=1, temperature=1.0, top_p=1.0, max_tokens=64, stop_token_ids=None):
+        self.requests[request_id] = [self.long] + [1] * (n - 1)
+        self.most_requests = max(self.most_requests, self.in_flight)
+        self.most_sequences = max(self.most_sequences, self.sequences)
+
+    def step(self) -> dict:
+        from rlbus.explorer.engine import Sample
+
+        done = {}
+        for rid, samples in list(self.requests.items()):
+            self.requests[rid] = samples = [max(0, left - 1) for left in samples]
+            if not any(samples):
+                del self.requests[rid]
+                done[rid] = [Sample([5], [-0.5], "stop", "5", [(0, self.version)]) for _ in samples]
+        return done
+
+
+def test_a_group_waiting_on_its_slowest_sample_holds_only_that_samples_room(broker_factory, clients):
+    """Streaming with inflight_tasks 2 of 4 samples (8 sequences): once the fast samples of the first two tasks have
+    ended, their room goes to another task while the two wait for their slow sample; never over 8 sequences, and every
+    group is PUT once."""
+    b = broker_factory("sync.sync_style=async", "sync.max_staleness=8", "rollout.repeat=4", "rollout.max_tokens=8",
+                       "data.batch_tasks=2", "data.max_tasks=8")
+    engine = StragglerEngine(long=20)
+    from rlbus.explorer.main import Explorer
+
+    ex = Explorer(explorer_config(b, "sync.sync_style=async", "explorer.streaming=true", "explorer.inflight_tasks=2",
+                                  "explorer.eval_every=0"), engine, name="streamer")
+    ex.run()
+    assert engine.most_requests > 2 and engine.most_sequences <= 8
+    groups, metas, _ = fetch_all(clients(b, "trainer", "tr"))
+    assert len(groups) == 8 and len({m["id"] for m in metas}) == 32
+
+
 def stream(broker_factory, clients, engine, *explorer_sets: str, announce, max_tokens: int = 24):
     """A streaming explorer (async, 12 tasks of 2 samples) runs the taskset while `announce(trainer, explorer)`
     publishes versions once two requests are in flight; returns the broker and every group it then holds."""
