@@ -103,10 +103,11 @@ MAX_DETAILS_DEPTH = 8
 
 
 def plain(value: Any, depth: int = 0) -> Any:
-    """`value` as a trajectory's payload can carry it (msgpack): None, bools, strings, bytes, floats, integers of
-    64 bits, and lists and maps of them, MAX_DETAILS_DEPTH deep. Anything else (a larger integer, a set, an
-    object, deeper nesting) becomes its repr, cut to 300 characters: a reward's details never stop a rollout."""
-    if value is None or isinstance(value, (bool, str, bytes, float)):
+    """`value` as a trajectory's payload can carry it (msgpack) and a JSON reader can show it: None, bools,
+    strings, floats, integers of 64 bits, and lists and maps of them, MAX_DETAILS_DEPTH deep. Anything else (a
+    larger integer, bytes, a set, an object, deeper nesting) becomes its repr, cut to 300 characters: a reward's
+    details never stop a rollout."""
+    if value is None or isinstance(value, (bool, str, float)):
         return value
     if isinstance(value, numbers.Integral) and -(1 << 63) <= value < (1 << 64):
         return int(value)

@@ -44,12 +44,12 @@ def test_details_a_trajectory_cannot_carry_become_their_repr():
     for _ in range(20):
         deep = {"d": deep}
     details = {"big": 1 << 70, "small": -(1 << 63), "set": {1}, "f32": np.float32(0.5), "i64": np.int64(3),
-               "nested": [1, (2, "a")], 7: "key", "deep": deep, "nan": float("nan")}
+               "nested": [1, (2, "a")], 7: "key", "deep": deep, "nan": float("nan"), "raw": b"\x00"}
     r = evaluate(lambda t, resp: RewardResult(1.0, details), {}, Response("a"))
     got = unpack(pack(r.details))
     assert got["big"] == str(1 << 70) and got["small"] == -(1 << 63) and got["set"] == "{1}"
     assert got["f32"] == 0.5 and got["i64"] == 3 and got["nested"] == [1, [2, "a"]] and got["7"] == "key"
-    assert math.isnan(got["nan"]) and "'d'" in str(got["deep"])  # cut to a repr past its depth
+    assert math.isnan(got["nan"]) and "'d'" in str(got["deep"]) and got["raw"] == "b'\\x00'"
     assert evaluate(lambda t, resp: RewardResult(0.0, ["not", "a map"], "why"), {}, Response("a")).details == {
         "details": ["not", "a map"]}
     assert plain(object()).startswith("<object object")
