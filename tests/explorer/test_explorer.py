@@ -24,9 +24,10 @@ def explorer_config(b, *sets):
                        environ={})
 
 
-def fetch_all(trainer, step=0, max_groups=64):
-    """Every ready group at the broker, with decoded payloads."""
-    reply = trainer.request(P.FETCH, {"step": step, "max_groups": max_groups})
+def fetch_all(trainer, step=0, max_groups=64, **wait):
+    """Every ready group at the broker, with decoded payloads; `wait` (min_groups, wait_ms): hold the FETCH until
+    that many groups are ready, for groups whose PUT may not be durable yet."""
+    reply = trainer.request(P.FETCH, {"step": step, "max_groups": max_groups, **wait})
     assert reply.command == P.BATCH, reply.header
     metas = [t for g in reply.header["groups"] for t in g["trajectories"]]
     return reply.header["groups"], metas, [decode_payload(p) for p in P.split_payloads(metas, reply.payloads)]
@@ -114,7 +115,8 @@ def test_lockstep_explorer_waits_for_the_version_it_needs(broker_factory, client
             time.sleep(0.05)
         time.sleep(1.0)
         assert ex.batches == 1, "the explorer must not generate batch 1 with version 0"
-        _, metas, _ = fetch_all(trainer, step=0, max_groups=2)
+        # The explorer counts a batch once its PUT is handed to the client; the ACK, and the groups, come later.
+        _, metas, _ = fetch_all(trainer, step=0, max_groups=2, min_groups=2, wait_ms=20_000)
         assert {m["batch_index"] for m in metas} == {0}
         trainer.request(P.COMMIT, {"step": 0})
         publish(trainer, tiny_model, 1)  # same bytes, new version: enough for the rule
@@ -155,7 +157,8 @@ def test_held_out_evaluation_runs_before_the_batch_or_beside_its_training(broker
         deadline = time.monotonic() + 60
         while (ex.batches < 1 or len(seen) < 1) and time.monotonic() < deadline:
             time.sleep(0.05)
-        _, metas, _ = fetch_all(trainer, step=0, max_groups=2)
+        # The explorer counts a batch once its PUT is handed to the client; the ACK, and the groups, come later.
+        _, metas, _ = fetch_all(trainer, step=0, max_groups=2, min_groups=2, wait_ms=20_000)
         assert {m["batch_index"] for m in metas} == {0}
         trainer.request(P.COMMIT, {"step": 0})
         publish(trainer, tiny_model, 1)
