@@ -25,6 +25,7 @@ from typing import Any, Callable, Mapping, Sequence
 import structlog
 
 from rlbus.common.config import ConfigError
+from rlbus.common.protocol import brief
 
 log = structlog.get_logger()
 
@@ -105,8 +106,8 @@ MAX_DETAILS_DEPTH = 8
 def plain(value: Any, depth: int = 0) -> Any:
     """`value` as a trajectory's payload can carry it (msgpack) and a JSON reader can show it: None, bools,
     strings, floats, integers of 64 bits, and lists and maps of them, MAX_DETAILS_DEPTH deep. Anything else (a
-    larger integer, bytes, a set, an object, deeper nesting) becomes its repr, cut to 300 characters: a reward's
-    details never stop a rollout."""
+    larger integer, bytes, a set, an object, deeper nesting) becomes its repr, bounded in depth and length: a
+    reward's details never stop a rollout."""
     if value is None or isinstance(value, (bool, str, float)):
         return value
     if isinstance(value, numbers.Integral) and -(1 << 63) <= value < (1 << 64):
@@ -116,8 +117,16 @@ def plain(value: Any, depth: int = 0) -> Any:
     if depth < MAX_DETAILS_DEPTH and isinstance(value, (list, tuple)):
         return [plain(v, depth + 1) for v in value]
     if depth < MAX_DETAILS_DEPTH and isinstance(value, Mapping):
-        return {k if isinstance(k, str) else repr(k)[:300]: plain(v, depth + 1) for k, v in value.items()}
-    return repr(value)[:300]
+        return {k if isinstance(k, str) else _brief(k): plain(v, depth + 1) for k, v in value.items()}
+    return _brief(value)
+
+
+def _brief(value: Any) -> str:
+    """A bounded repr (`brief`: depth and length cut); an integer past Python's 4,300 digits has none at all."""
+    try:
+        return brief(value)
+    except ValueError:
+        return f"<{type(value).__name__} of {value.bit_length() if isinstance(value, int) else '?'} bits>"
 
 
 def _by_kind(task: Mapping[str, Any], response: Response) -> RewardResult | float:

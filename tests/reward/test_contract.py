@@ -53,6 +53,7 @@ def test_details_a_trajectory_cannot_carry_become_their_repr():
     assert evaluate(lambda t, resp: RewardResult(0.0, ["not", "a map"], "why"), {}, Response("a")).details == {
         "details": ["not", "a map"]}
     assert plain(object()).startswith("<object object")
+    assert plain(10 ** 5000) == "<int of 16610 bits>"  # Python gives such an integer no repr
     cd = evaluate(REGISTRY["countdown"], TASKS["countdown"], Response("12345678901234567890 * 98765432109876543210"))
     assert cd.score == 0.0 and cd.details["value"] == str(12345678901234567890 * 98765432109876543210)
 
