@@ -37,8 +37,8 @@ class Writer:
         """Queue a job; returns its number, which `done` will carry once it is durable."""
         self._next += 1
         self._jobs[self._next] = job
+        job.number = self._next  # before the writer thread can see it: it reports the job by this number
         self._queue.put(job)
-        job.number = self._next
         return self._next
 
     def completed(self) -> list[tuple[WriteJob, str | None]]:
