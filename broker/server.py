@@ -281,6 +281,15 @@ class Broker:
     def _lease(self, peer: Peer, msg: P.Message) -> None:
         version = msg.header["policy_version"]
         peer.policy_version = version
+        req = msg.header.get("req")
+        if peer.last_lease is not None and peer.last_lease[0] == req:
+            # A resend (after a reconnect) of a LEASE already granted: the same tasks, not a second grant that would
+            # stay leased to a peer that never saw it until the lease times out.
+            held = [t for t in peer.last_lease[1] if self.tasks.holds(peer.name, t["lease_id"])]
+            if held:
+                log.info("lease_resent", peer=peer.name, n=len(held), req=req)
+                return self.reply(peer.identity, msg, P.TASKS, {"tasks": held,
+                                                                "lease_s": self.cfg.broker.lease_timeout_s})
         now = time.time()
         room = self.cfg.buffer.capacity - self.store.depth - len(self.tasks.leases) * self.cfg.rollout.repeat
         if room < self.cfg.rollout.repeat:
@@ -294,6 +303,7 @@ class Broker:
                       "batch_index": self.tasks.batch_of(lz.seq), "task": t} for lz, t in granted]
             log.info("tasks_leased", peer=peer.name, n=len(tasks), batch_index=tasks[0]["batch_index"],
                      policy_version=version, depth=self.store.depth)
+            peer.last_lease = None if req is None else (req, tasks)
             return self.reply(peer.identity, msg, P.TASKS, {"tasks": tasks, "lease_s": self.cfg.broker.lease_timeout_s})
         batch = self.tasks.next_batch()
         if batch is None:

@@ -112,6 +112,11 @@ class TaskQueue:
             else:
                 heapq.heappush(self.free, seq)
 
+    def holds(self, holder: str, lease: str) -> bool:
+        """Whether `lease` is still out, to `holder`."""
+        out = self.leases.get(lease)
+        return out is not None and out.holder == holder
+
     @property
     def exhausted(self) -> bool:
         size = len(self.taskset)

@@ -54,6 +54,31 @@ def test_silent_peer_expires_and_its_leases_return(broker, clients, raw_dealer):
     assert all(t["lease_id"].endswith(".1") for t in again.header["tasks"])
 
 
+def test_a_lease_resent_after_a_reconnect_gets_the_tasks_it_was_granted(broker, raw_dealer):
+    """A peer that reconnects resends every request still unanswered, with its `req`. When the broker had already
+    granted that LEASE (its TASKS went to the old connection, or crossed the resend), the resend gets the same
+    tasks: a second grant would leave the first leased to a peer that never saw it, for `lease_timeout_s`."""
+    hello = {"role": "explorer", "name": "mover", "session": "s-1"}
+    first = raw_dealer(broker.address)
+    first.send_multipart(P.encode(P.HELLO, dict(hello, req=1)))
+    assert recv(first).command == P.WELCOME
+    first.send_multipart(P.encode(P.LEASE, {"req": 2, "max_tasks": 2, "policy_version": 0}))
+    granted = recv(first)
+    assert granted.command == P.TASKS
+    first.close(0)  # the reply is taken as lost: the peer comes back on a new connection and resends
+    second = raw_dealer(broker.address)
+    second.send_multipart(P.encode(P.HELLO, dict(hello, req=3)))
+    assert recv(second).command == P.WELCOME
+    second.send_multipart(P.encode(P.LEASE, {"req": 2, "max_tasks": 2, "policy_version": 0}))
+    again = recv(second)
+    assert again.command == P.TASKS and again.header["req"] == 2
+    assert again.header["tasks"] == granted.header["tasks"]
+    second.send_multipart(P.encode(P.LEASE, {"req": 4, "max_tasks": 2, "policy_version": 0}))
+    more = recv(second)  # a new request is a new grant
+    assert more.command == P.TASKS
+    assert {t["seq"] for t in more.header["tasks"]}.isdisjoint(t["seq"] for t in granted.header["tasks"])
+
+
 def test_a_stalled_broker_keeps_the_peers_that_went_on_talking_and_drops_the_silent(broker, clients, raw_dealer):
     """The broker's own stall (here SIGSTOP; on a loaded host, a starved process) is not its peers' silence: a
     peer whose heartbeats waited in the socket meanwhile is kept, and one that went quiet still expires."""
