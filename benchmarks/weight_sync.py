@@ -259,7 +259,7 @@ def run(args, namespace: str | None) -> None:
     files = CheckpointSender(root / "weights", model_dir, dtype=torch.bfloat16)
     pub = BroadcastSender(cfg, files, dtype=torch.bfloat16)
     # Deltas at normal priority: the delta row measures the delta path, not how much CPU this host has to spare.
-    server = WeightServer(root / "served", host, deltas=False, delta_priority="normal").start()
+    server = WeightServer(root / "served", host, deltas=False, delta_priority="normal", map_files=True).start()
     served = CheckpointSender(root / "served", model_dir, dtype=torch.bfloat16, server=server)
     publishers = {"broadcast": pub, "checkpoint": files, "network_full": served, "network_delta": served}
     if namespace:  # the broadcast's rendezvous is on loopback

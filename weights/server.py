@@ -31,10 +31,12 @@ built wait for it; everything else is answered at once.
 
 from __future__ import annotations
 
+import mmap
 import os
 import socket
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -73,8 +75,11 @@ def advertised(bind_host: str, advertise: str, port: int) -> str:
 class WeightServer:
     def __init__(self, weights_dir: str | Path, host: str = "127.0.0.1", port: int = 0, advertise: str = "",
                  chunk_bytes: int = 4 << 20, curve: tuple[str, str] | None = None, deltas: bool = True,
-                 delta_priority: str = "idle"):
+                 delta_priority: str = "idle", map_files: bool = False):
+        """`map_files`: send chunks as views of the files mapped into memory (`FileMaps`); only for a directory
+        whose files are replaced by rename or deleted, never rewritten in place, as the trainer's own."""
         self.dir = Path(weights_dir)
+        self._maps = FileMaps() if map_files else None
         self.dir.mkdir(parents=True, exist_ok=True)
         self.chunk_bytes = chunk_bytes
         self.manifests = Manifests(self.dir, chunk_bytes, deltas, delta_priority)
@@ -231,10 +236,13 @@ class WeightServer:
         if not 0 <= request.index < len(entry["chunks"]):
             self._error(ident, request.req, "bad_request", f"{request.file} has {len(entry['chunks'])} chunks")
             return
-        path = Path(entry["source"])
+        path, start = Path(entry["source"]), request.index * self.chunk_bytes
         try:
-            with open(path, "rb") as f:
-                data = os.pread(f.fileno(), self.chunk_bytes, request.index * self.chunk_bytes)
+            if self._maps is not None:
+                data = self._maps.view(path, start, self.chunk_bytes)
+            else:
+                with open(path, "rb") as f:
+                    data = os.pread(f.fileno(), self.chunk_bytes, start)
         except FileNotFoundError:
             self._error(ident, request.req, "gone", f"v{request.version} is no longer held")
             return
@@ -250,6 +258,35 @@ class WeightServer:
 
     def _error(self, ident: bytes, req: int | None, code: str, message: str) -> None:
         self.sock.send_multipart([ident, MAGIC, ERROR, P.pack({"req": req, "code": code, "message": message})])
+
+class FileMaps:
+    """The files being served, mapped read-only, the last few used: a chunk goes to ZeroMQ as a view of the page
+    cache, and the kernel copies it once, into the socket, where a read would first copy it into this process
+    (half the serving CPU per byte on a two-core host: 0.20 s/GB against 0.31-0.47).
+
+    A file replaced by rename, or deleted, keeps its old bytes mapped until its views are sent (the trainer's
+    versions come and go so, and a client that asks for a replaced file's chunks gets the new file's). A file
+    truncated in place would fault the process when ZeroMQ read past its new end: not for directories that others
+    rewrite in place.
+    """
+
+    def __init__(self, keep: int = 16):
+        self.keep = keep
+        self._maps: OrderedDict[Path, tuple[int, mmap.mmap | None]] = OrderedDict()  # path -> (inode, map)
+
+    def view(self, path: Path, start: int, length: int) -> memoryview:
+        """Up to `length` bytes of `path` from `start`; FileNotFoundError when it is gone."""
+        held = self._maps.get(path)
+        if held is None or held[0] != os.stat(path).st_ino:
+            with open(path, "rb") as f:
+                stat = os.fstat(f.fileno())
+                held = (stat.st_ino, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if stat.st_size else None)
+            self._maps[path] = held  # a map dropped here is unmapped once ZeroMQ has sent its last view
+        self._maps.move_to_end(path)
+        while len(self._maps) > self.keep:
+            self._maps.popitem(last=False)
+        return memoryview(held[1] if held[1] is not None else b"")[start:start + length]
+
 
 def main(argv: list[str] | None = None) -> None:
     """Serve a directory of published versions (v1/, v2/, ...) on its own, until SIGTERM, SIGINT or SIGHUP."""

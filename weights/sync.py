@@ -91,7 +91,7 @@ def make_server(cfg, weights_dir: str | Path):
         curve = (b.curve_client_key, s.serve_authorized_dir or b.curve_authorized_dir)
     return WeightServer(weights_dir, s.serve_host, s.serve_port, s.serve_advertise,
                         chunk_bytes=int(s.serve_chunk_mb * (1 << 20)), curve=curve, deltas=s.serve_deltas,
-                        delta_priority=s.serve_delta_priority).start()
+                        delta_priority=s.serve_delta_priority, map_files=True).start()
 
 
 def checkpoint_source(path: str | Path) -> dict[str, Any]:

@@ -6,14 +6,15 @@ import pytest
 
 
 @pytest.fixture
-def served(tmp_path):
+def served(tmp_path, request):
+    """A weight server over three published versions; parametrize indirectly with True to map its files."""
     pytest.importorskip("zstandard")
     from rlbus.weights.server import WeightServer
     from tests.helpers.served import CHUNK_BYTES, publish_versions
 
     root = tmp_path / "served"
     digests = publish_versions(root, 3)
-    server = WeightServer(root, chunk_bytes=CHUNK_BYTES).start()
+    server = WeightServer(root, chunk_bytes=CHUNK_BYTES, map_files=getattr(request, "param", False)).start()
     yield server, root, digests
     server.close()
 

@@ -56,6 +56,7 @@ def test_a_delta_chain_gives_the_bytes_of_the_full_version(tmp_path):
         apply_delta(other, tmp_path / "d2.zst", tmp_path / "bad")
 
 
+@pytest.mark.parametrize("served", [False, True], ids=["read", "mapped"], indirect=True)
 def test_full_fetch_then_deltas_against_the_version_held(served, tmp_path):
     server, root, digests = served
     dest = tmp_path / "explorer"
@@ -249,6 +250,31 @@ def test_a_corrupted_chunk_is_refused_and_fetched_again(served, tmp_path):
         link.close()
     assert link.corrupted == 1 and got.bad_chunks == 1
     assert same_files(got.path, root / "v1")
+
+
+def test_mapped_files_give_the_bytes_of_the_file_under_the_path_now(tmp_path):
+    """FileMaps: a chunk of a mapped file is the file's bytes; a file replaced by rename gives the new file's bytes
+    (a view taken before keeps the old); a deleted file is FileNotFoundError; an empty file gives no bytes."""
+    from rlbus.weights.server import FileMaps
+
+    maps, path = FileMaps(keep=2), tmp_path / "w.bin"
+    old = os.urandom(10_000)
+    path.write_bytes(old)
+    before = maps.view(path, 4096, 4096)
+    assert bytes(before) == old[4096:8192] and bytes(maps.view(path, 8192, 4096)) == old[8192:]
+    new = os.urandom(5_000)
+    (tmp_path / "w.tmp").write_bytes(new)
+    os.replace(tmp_path / "w.tmp", path)
+    assert bytes(maps.view(path, 4096, 4096)) == new[4096:] and bytes(before) == old[4096:8192]
+    (tmp_path / "empty").write_bytes(b"")
+    assert bytes(maps.view(tmp_path / "empty", 0, 4096)) == b""
+    for i in range(3):  # more files than it keeps: the oldest maps are dropped, what is asked is still right
+        (tmp_path / f"f{i}").write_bytes(bytes([i]) * 100)
+        assert bytes(maps.view(tmp_path / f"f{i}", 10, 5)) == bytes([i]) * 5
+    assert len(maps._maps) == 2
+    path.unlink()
+    with pytest.raises(FileNotFoundError):
+        maps.view(path, 0, 10)
 
 
 def start_server(root: Path, port: int) -> subprocess.Popen:
