@@ -36,9 +36,10 @@ CREATE TABLE IF NOT EXISTS batches (step INTEGER PRIMARY KEY, groups BLOB NOT NU
 -- expired and skipped counts. Kept after commit: it is the run's record for `rlbus replay`.
 CREATE TABLE IF NOT EXISTS deliveries (step INTEGER PRIMARY KEY, record BLOB NOT NULL);
 CREATE TABLE IF NOT EXISTS retired (rowid INTEGER PRIMARY KEY, state INTEGER NOT NULL, groups BLOB NOT NULL);
+-- A lease's req and session: the LEASE request that granted it and its holder's HELLO session (see tasks.py).
 CREATE TABLE IF NOT EXISTS tasks (
     seq INTEGER PRIMARY KEY, lease_id TEXT, holder TEXT, expires REAL, attempt INTEGER NOT NULL,
-    done INTEGER NOT NULL DEFAULT 0);
+    done INTEGER NOT NULL DEFAULT 0, req INTEGER, session TEXT);
 -- Tasks to issue again (data.revisit), in queue order: the task, how often it was issued before, the first
 -- batch that may take it, and the seq it was issued as (NULL while it waits).
 CREATE TABLE IF NOT EXISTS revisits (
@@ -59,6 +60,9 @@ class Catalog:
         else:
             self.db = self._connect()
             self.db.executescript(_SCHEMA)
+            for column in ("req INTEGER", "session TEXT"):  # a catalogue written before leases kept them
+                if column.split()[0] not in self._columns("tasks"):
+                    self.db.execute(f"ALTER TABLE tasks ADD COLUMN {column}")
         self._wdb: sqlite3.Connection | None = None
         # One writer at a time, as SQLite allows, queued here: a connection that finds the other's write
         # under way would get SQLITE_BUSY and sleep in SQLite's busy handler (1, 2, 5, 10... ms steps), and
@@ -170,18 +174,23 @@ class Catalog:
 
     # ---- task leases ------------------------------------------------------
 
-    def tasks(self) -> Iterator[tuple[int, str | None, str | None, float | None, int, bool]]:
-        """(seq, lease id, holder, expires, attempt, done) for every task issued, by seq."""
-        for seq, lid, holder, expires, attempt, done in self.db.execute(
-                "SELECT seq, lease_id, holder, expires, attempt, done FROM tasks ORDER BY seq"):
-            yield seq, lid, holder, expires, attempt, bool(done)
+    def _columns(self, table: str) -> set[str]:
+        return {row[1] for row in self.db.execute(f"PRAGMA table_info({table})")}
 
-    def lease(self, rows: list[tuple[int, str, str, float, int]], revisits: list[tuple[int, int]] = ()) -> None:
-        """Record leases: (seq, lease id, holder, expires, attempt); and (revisit row, seq) for each waiting
-        revisit issued as a new seq."""
+    def tasks(self) -> Iterator[tuple[int, str | None, str | None, float | None, int, bool, int | None, str | None]]:
+        """(seq, lease id, holder, expires, attempt, done, req, session) for every task issued, by seq."""
+        kept = "req, session" if "req" in self._columns("tasks") else "NULL, NULL"  # read-only, of an older run
+        for seq, lid, holder, expires, attempt, done, req, session in self.db.execute(
+                f"SELECT seq, lease_id, holder, expires, attempt, done, {kept} FROM tasks ORDER BY seq"):
+            yield seq, lid, holder, expires, attempt, bool(done), req, session
+
+    def lease(self, rows: list[tuple[int, str, str, float, int, int | None, str | None]],
+              revisits: list[tuple[int, int]] = ()) -> None:
+        """Record leases: (seq, lease id, holder, expires, attempt, req, session); and (revisit row, seq) for each
+        waiting revisit issued as a new seq."""
         with self.transaction():
-            self.db.executemany("INSERT OR REPLACE INTO tasks(seq, lease_id, holder, expires, attempt, done) "
-                                "VALUES (?, ?, ?, ?, ?, 0)", rows)
+            self.db.executemany("INSERT OR REPLACE INTO tasks(seq, lease_id, holder, expires, attempt, done, req, "
+                                "session) VALUES (?, ?, ?, ?, ?, 0, ?, ?)", rows)
             self.db.executemany("UPDATE revisits SET seq=? WHERE rowid=?", [(q, r) for r, q in revisits])
 
     def task_done(self, seq: int, revisit: tuple[dict[str, Any], int, int] | None = None) -> int | None:

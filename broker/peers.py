@@ -30,7 +30,6 @@ class Peer:
     last_sent: float = 0.0
     starved: bool = False  # given zero credit: owed a CREDIT when room frees up
     fetched: bool = False  # a trainer that has FETCHed since it said HELLO: its steps advance one at a time
-    last_lease: tuple[int, list[dict[str, Any]]] | None = None  # (req, tasks) of the last LEASE granted with a req
 
 
 class Peers:
@@ -96,9 +95,6 @@ class Peers:
         peer = Peer(hello["name"], hello["role"], identity, now, now - self._away, hello.get("policy_version", 0),
                     {"pid": hello.get("pid"), "host": hello.get("host"), "session": hello.get("session"),
                      "capabilities": hello.get("capabilities", {})})
-        session = hello.get("session")
-        if old is not None and (old.identity == identity or session is not None and old.info["session"] == session):
-            peer.last_lease = old.last_lease  # the same peer: it resends what the broker may have answered already
         self._by_identity[identity] = peer
         self._by_name[peer.name] = peer
         return peer, old is not None

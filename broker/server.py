@@ -236,6 +236,9 @@ class Broker:
         if previous is not None and previous.name != h["name"]:
             self._drop(previous, "renamed")  # one connection, one name: the old one's leases go back
         peer, reconnect = self.peers.join(identity, h, now)
+        released = self.tasks.claim(peer.name, h.get("session"))
+        if released:  # another process under the name since a restart: it cannot know them
+            log.info("leases_released", peer=peer.name, n=len(released), reason="another session")
         self.rollout.admit(h.get("rollout", {}), peer.name)
         if peer.role == "explorer" and len(self.explorers_seen) < self.cfg.trainer.wait_for_explorers:
             self.explorers_seen.add(peer.name)  # bounded: only the count up to the wait matters
@@ -278,18 +281,19 @@ class Broker:
         taken = step in self.store.batches or step <= self.store.committed_step
         return refusal(self.cfg.sync, batch_index, version, step, queued, step + 1 if taken else step)
 
+    def _tasks(self, peer: Peer, msg: P.Message, granted: list) -> None:
+        tasks = [{"lease_id": lz.lease_id, "task_id": t["task_id"], "seq": lz.seq,
+                  "batch_index": self.tasks.batch_of(lz.seq), "task": t} for lz, t in granted]
+        self.reply(peer.identity, msg, P.TASKS, {"tasks": tasks, "lease_s": self.cfg.broker.lease_timeout_s})
+
     def _lease(self, peer: Peer, msg: P.Message) -> None:
         version = msg.header["policy_version"]
         peer.policy_version = version
         req = msg.header.get("req")
-        if peer.last_lease is not None and peer.last_lease[0] == req:
-            # A resend (after a reconnect) of a LEASE already granted: the same tasks, not a second grant that would
-            # stay leased to a peer that never saw it until the lease times out.
-            held = [t for t in peer.last_lease[1] if self.tasks.holds(peer.name, t["lease_id"])]
-            if held:
-                log.info("lease_resent", peer=peer.name, n=len(held), req=req)
-                return self.reply(peer.identity, msg, P.TASKS, {"tasks": held,
-                                                                "lease_s": self.cfg.broker.lease_timeout_s})
+        again = self.tasks.granted(peer.name, req)
+        if again:  # a resend of a LEASE already granted (its TASKS lost with a connection): the same tasks again
+            log.info("lease_resent", peer=peer.name, n=len(again), req=req)
+            return self._tasks(peer, msg, again)
         now = time.time()
         room = self.cfg.buffer.capacity - self.store.depth - len(self.tasks.leases) * self.cfg.rollout.repeat
         if room < self.cfg.rollout.repeat:
@@ -297,14 +301,12 @@ class Broker:
         if self.awaiting_explorers():  # a fresh run starts its explorers together
             return self.reply(peer.identity, msg, P.WAIT, {"reason": "explorers", "retry_after_s": self.hb})
         max_tasks = min(msg.header["max_tasks"], max(1, room // self.cfg.rollout.repeat))
-        granted = self.tasks.lease(peer.name, max_tasks, now, lambda e: self.refusal(e, version) is None)
+        granted = self.tasks.lease(peer.name, max_tasks, now, lambda e: self.refusal(e, version) is None, req,
+                                   peer.info["session"])
         if granted:
-            tasks = [{"lease_id": lz.lease_id, "task_id": t["task_id"], "seq": lz.seq,
-                      "batch_index": self.tasks.batch_of(lz.seq), "task": t} for lz, t in granted]
-            log.info("tasks_leased", peer=peer.name, n=len(tasks), batch_index=tasks[0]["batch_index"],
+            log.info("tasks_leased", peer=peer.name, n=len(granted), batch_index=self.tasks.batch_of(granted[0][0].seq),
                      policy_version=version, depth=self.store.depth)
-            peer.last_lease = None if req is None else (req, tasks)
-            return self.reply(peer.identity, msg, P.TASKS, {"tasks": tasks, "lease_s": self.cfg.broker.lease_timeout_s})
+            return self._tasks(peer, msg, granted)
         batch = self.tasks.next_batch()
         if batch is None:
             if self.tasks.leases:
@@ -381,6 +383,8 @@ class Broker:
         self.rewards.tick(now)
         self.swaps.expire(now)
         expired = self.tasks.expire(now)
+        if self.tasks.unclaimed and time.monotonic() - self.started > 2 * self.expiry:  # granted before to the gone
+            expired += self.tasks.release_unclaimed()
         if expired:
             log.info("leases_expired", n=len(expired), seqs=[lz.seq for lz in expired][:16])
         self.bus.tick(now)

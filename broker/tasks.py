@@ -38,6 +38,8 @@ class Lease:
     seq: int
     holder: str
     expires: float
+    req: int | None = None  # the LEASE request that granted it: a resend of that request gets it again
+    session: str | None = None  # its holder's HELLO session: another process under the name cannot know it
 
 
 def refusal(sync, batch_index: int, version: int, trainer_step: int, queued_steps: int,
@@ -102,20 +104,37 @@ class TaskQueue:
         self.done: set[int] = set()
         self.done_per_batch: Counter[int] = Counter()
         self.next_seq = 0
-        for seq, lid, holder, expires, attempt, done in self.catalog.tasks():
+        for seq, lid, holder, expires, attempt, done, req, session in self.catalog.tasks():
             self.next_seq = max(self.next_seq, seq + 1)
             self.attempts[seq] = attempt
             if done:
                 self._mark_done(seq)
             elif lid:
-                self.leases[lid] = Lease(lid, seq, holder, expires)
+                self.leases[lid] = Lease(lid, seq, holder, expires, req, session)
             else:
                 heapq.heappush(self.free, seq)
+        # Holders of leases granted before a restart, until they say HELLO (`claim`) or `release_unclaimed`.
+        self.unclaimed = {lease.holder for lease in self.leases.values()}
 
-    def holds(self, holder: str, lease: str) -> bool:
-        """Whether `lease` is still out, to `holder`."""
-        out = self.leases.get(lease)
-        return out is not None and out.holder == holder
+    def granted(self, holder: str, req: int | None) -> list[tuple[Lease, dict[str, Any]]]:
+        """The leases still out to `holder` that its request `req` was granted, with their tasks: what a resend of
+        that LEASE (after a reconnect, or a restart of the broker) is answered with instead of a second grant."""
+        if req is None:
+            return []
+        mine = [lz for lz in self.leases.values() if lz.holder == holder and lz.req == req]
+        return [(lease, self.task(lease.seq)[0]) for lease in sorted(mine, key=lambda lz: lz.seq)]
+
+    def claim(self, holder: str, session: str | None) -> list[Lease]:
+        """`holder` said HELLO with `session`. Leases out under its name to another session are released and
+        returned: after a broker restart, a new process may take the name of one that is gone, and it cannot
+        know what that one was granted (while the broker runs, a name passes on only once its leases are back)."""
+        self.unclaimed.discard(holder)
+        return self._release([lz for lz in self.leases.values() if lz.holder == holder and lz.session != session])
+
+    def release_unclaimed(self) -> list[Lease]:
+        """Leases granted before a restart to holders that have not said HELLO since: they are gone."""
+        holders, self.unclaimed = self.unclaimed, set()
+        return self._release([lz for lz in self.leases.values() if lz.holder in holders])
 
     @property
     def exhausted(self) -> bool:
@@ -158,9 +177,10 @@ class TaskQueue:
         last = min(first + self.batch_tasks, self.next_seq) if self.exhausted else first + self.batch_tasks
         return self.done_per_batch[batch_index] >= max(0, last - first)
 
-    def lease(self, holder: str, max_tasks: int, now: float,
-              admit: Callable[[int], bool]) -> list[tuple[Lease, dict[str, Any]]]:
-        """Lease up to `max_tasks` tasks, in seq order, while `admit(batch_index)` allows."""
+    def lease(self, holder: str, max_tasks: int, now: float, admit: Callable[[int], bool], req: int | None = None,
+              session: str | None = None) -> list[tuple[Lease, dict[str, Any]]]:
+        """Lease up to `max_tasks` tasks, in seq order, while `admit(batch_index)` allows; `req` and `session`: the
+        request granted and its holder's session (`granted`, `claim`)."""
         out: list[tuple[Lease, dict[str, Any]]] = []
         rows, revisits = [], []
         while len(out) < max_tasks:
@@ -177,9 +197,9 @@ class TaskQueue:
                     revisits.append((row, seq))
             attempt = self.attempts.get(seq, -1) + 1
             self.attempts[seq] = attempt
-            lease = Lease(lease_id(seq, attempt), seq, holder, now + self.lease_s)
+            lease = Lease(lease_id(seq, attempt), seq, holder, now + self.lease_s, req, session)
             self.leases[lease.lease_id] = lease
-            rows.append((seq, lease.lease_id, holder, lease.expires, attempt))
+            rows.append((seq, lease.lease_id, holder, lease.expires, attempt, req, session))
             out.append((lease, self.task(seq)[0]))
         if rows:
             self.catalog.lease(rows, revisits)

@@ -79,6 +79,49 @@ def test_a_lease_resent_after_a_reconnect_gets_the_tasks_it_was_granted(broker, 
     assert {t["seq"] for t in more.header["tasks"]}.isdisjoint(t["seq"] for t in granted.header["tasks"])
 
 
+def test_leases_outlive_a_broker_restart_with_their_request_and_their_holders_session(broker_factory, raw_dealer):
+    """A lease keeps, in the catalogue, the request that granted it and its holder's HELLO session. After a broker
+    restart (SIGKILL): the holder, back with its session, gets the same tasks for its resent LEASE; a new process
+    under the name of one that is gone inherits none of what that one held (released as it says HELLO, so a LEASE
+    of it with the same req is a new grant); and a holder that never comes back has its leases released once the
+    broker has waited two liveness windows for it, not `lease_timeout_s` (600 s) later."""
+    b = broker_factory("data.batch_tasks=4")
+
+    def hello(name: str, session: str):
+        sock = raw_dealer(b.address)
+        sock.send_multipart(P.encode(P.HELLO, {"role": "explorer", "name": name, "session": session, "req": 1}))
+        assert recv(sock).command == P.WELCOME
+        return sock
+
+    def lease(sock, req: int, max_tasks: int = 1) -> P.Message:
+        sock.send_multipart(P.encode(P.LEASE, {"req": req, "max_tasks": max_tasks, "policy_version": 0}))
+        return recv(sock)
+
+    kept, taken, gone = (lease(hello(name, f"s-{name}"), 2).header["tasks"] for name in ("kept", "taken", "gone"))
+    b.kill()
+    b.start()
+    back = hello("kept", "s-kept")
+    assert lease(back, 2).header["tasks"] == kept
+    # Released as the new process says HELLO, the old one's task is the first to issue again: a new lease of it.
+    newcomer = hello("taken", "another process")
+    again = lease(newcomer, 2).header["tasks"]
+    assert [t["seq"] for t in again] == [taken[0]["seq"]] and again[0]["lease_id"] != taken[0]["lease_id"]
+    fresh = hello("fresh", "s-fresh")
+    assert [t["seq"] for t in lease(fresh, 2, 4).header["tasks"]] == [3]  # the batch's last task: 2 is still out
+    deadline, got = time.monotonic() + 20, []
+    while not got and time.monotonic() < deadline:
+        reply = lease(fresh, 3 + len(got), 4)
+        if reply.command == P.TASKS:
+            got = reply.header["tasks"]
+        else:
+            assert reply.command == P.WAIT  # the next batch waits for version 1 meanwhile
+            for sock in (back, newcomer):  # alive: their leases stay theirs
+                sock.send_multipart(P.encode(P.HEARTBEAT, {}))
+            time.sleep(0.1)
+    assert [t["seq"] for t in got] == [gone[0]["seq"]]
+    assert any(e["event"] == "leases_released" for e in b.log_events())
+
+
 def test_a_stalled_broker_keeps_the_peers_that_went_on_talking_and_drops_the_silent(broker, clients, raw_dealer):
     """The broker's own stall (here SIGSTOP; on a loaded host, a starved process) is not its peers' silence: a
     peer whose heartbeats waited in the socket meanwhile is kept, and one that went quiet still expires."""

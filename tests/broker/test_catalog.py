@@ -67,3 +67,23 @@ def test_a_write_that_waits_past_the_busy_timeout_fails_and_the_next_one_goes_th
     catalog.commit([], 2)
     assert catalog.get_meta("committed_step") == 2
     catalog.close()
+
+
+def test_a_catalogue_from_before_leases_kept_their_request_and_session_is_read_and_extended(tmp_path):
+    """Leases recorded without the request that granted them and their holder's session (an older broker's
+    catalogue) read back with neither, read-only too, and the broker's own connection adds the two columns."""
+    path = tmp_path / "buffer.sqlite3"
+    db = sqlite3.connect(path)
+    db.execute("CREATE TABLE tasks (seq INTEGER PRIMARY KEY, lease_id TEXT, holder TEXT, expires REAL, "
+               "attempt INTEGER NOT NULL, done INTEGER NOT NULL DEFAULT 0)")
+    db.execute("INSERT INTO tasks VALUES (0, 't0.0', 'ex', 99.0, 0, 0)")
+    db.commit()
+    db.close()
+    old = (0, "t0.0", "ex", 99.0, 0, False, None, None)
+    reader = Catalog(path, fsync=False, readonly=True)
+    assert list(reader.tasks()) == [old]
+    reader.close()
+    catalog = Catalog(path, fsync=False)
+    assert list(catalog.tasks()) == [old]
+    catalog.lease([(1, "t1.0", "ex", 99.0, 0, 7, "s-1")])
+    assert list(catalog.tasks()) == [old, (1, "t1.0", "ex", 99.0, 0, False, 7, "s-1")]
