@@ -52,6 +52,10 @@ class Peers:
                 peer.heard = now - self._away
         return gap
 
+    def clock(self, now: float) -> float:
+        """The listening clock: `now` less the time the broker was not reading (see `turn`)."""
+        return now - self._away
+
     def heard(self, peer: Peer, now: float) -> None:
         peer.last_seen, peer.heard = now, now - self._away
 

@@ -95,6 +95,8 @@ class Broker:
         poller.register(self.buffer.writer.done, zmq.POLLIN)
         end = None if stop_after is None else time.monotonic() + stop_after
         self.peers.turn(time.time(), self.hb)  # the listening clock starts: a stall before the first tick counts
+        # Holders of leases granted before a restart have two liveness windows of listening to say HELLO.
+        self._claim_by = self.peers.clock(time.time()) + 2 * self.expiry
         while self._running and (end is None or time.monotonic() < end):
             events = dict(poller.poll(self._poll_timeout_ms()))
             if self.buffer.writer.done in events:
@@ -383,7 +385,7 @@ class Broker:
         self.rewards.tick(now)
         self.swaps.expire(now)
         expired = self.tasks.expire(now)
-        if self.tasks.unclaimed and time.monotonic() - self.started > 2 * self.expiry:  # granted before to the gone
+        if self.tasks.unclaimed and self.peers.clock(now) > self._claim_by:  # granted before a restart to the gone
             expired += self.tasks.release_unclaimed()
         if expired:
             log.info("leases_expired", n=len(expired), seqs=[lz.seq for lz in expired][:16])
