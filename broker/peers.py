@@ -30,6 +30,7 @@ class Peer:
     last_sent: float = 0.0
     starved: bool = False  # given zero credit: owed a CREDIT when room frees up
     fetched: bool = False  # a trainer that has FETCHed since it said HELLO: its steps advance one at a time
+    joined: float = 0.0  # when it said HELLO on this connection
 
 
 class Peers:
@@ -99,6 +100,7 @@ class Peers:
         peer = Peer(hello["name"], hello["role"], identity, now, now - self._away, hello.get("policy_version", 0),
                     {"pid": hello.get("pid"), "host": hello.get("host"), "session": hello.get("session"),
                      "capabilities": hello.get("capabilities", {})})
+        peer.joined = now
         self._by_identity[identity] = peer
         self._by_name[peer.name] = peer
         return peer, old is not None

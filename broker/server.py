@@ -292,7 +292,7 @@ class Broker:
         version = msg.header["policy_version"]
         peer.policy_version = version
         req = msg.header.get("req")
-        again = self.tasks.granted(peer.name, req)
+        again = self.tasks.granted(peer.name, req, peer.joined)
         if again:  # a resend of a LEASE already granted (its TASKS lost with a connection): the same tasks again
             log.info("lease_resent", peer=peer.name, n=len(again), req=req)
             return self._tasks(peer, msg, again)

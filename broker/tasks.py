@@ -116,12 +116,15 @@ class TaskQueue:
         # Holders of leases granted before a restart, until they say HELLO (`claim`) or `release_unclaimed`.
         self.unclaimed = {lease.holder for lease in self.leases.values()}
 
-    def granted(self, holder: str, req: int | None) -> list[tuple[Lease, dict[str, Any]]]:
-        """The leases still out to `holder` that its request `req` was granted, with their tasks: what a resend of
-        that LEASE (after a reconnect, or a restart of the broker) is answered with instead of a second grant."""
+    def granted(self, holder: str, req: int | None, before: float) -> list[tuple[Lease, dict[str, Any]]]:
+        """The leases still out to `holder` that its request `req` was granted before `before` (when it said HELLO
+        on the connection this LEASE came on), with their tasks: a resend of that LEASE after a reconnect or a
+        broker restart is answered with them instead of a second grant. Granted on the same connection, they
+        answered another request that happens to use the same req: a client need not number requests apart."""
         if req is None:
             return []
-        mine = [lz for lz in self.leases.values() if lz.holder == holder and lz.req == req]
+        mine = [lz for lz in self.leases.values()
+                if lz.holder == holder and lz.req == req and lz.expires - self.lease_s < before]
         return [(lease, self.task(lease.seq)[0]) for lease in sorted(mine, key=lambda lz: lz.seq)]
 
     def claim(self, holder: str, session: str | None) -> list[Lease]:

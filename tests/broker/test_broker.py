@@ -73,10 +73,13 @@ def test_a_lease_resent_after_a_reconnect_gets_the_tasks_it_was_granted(broker, 
     again = recv(second)
     assert again.command == P.TASKS and again.header["req"] == 2
     assert again.header["tasks"] == granted.header["tasks"]
-    second.send_multipart(P.encode(P.LEASE, {"req": 4, "max_tasks": 2, "policy_version": 0}))
+    second.send_multipart(P.encode(P.LEASE, {"req": 4, "max_tasks": 1, "policy_version": 0}))
     more = recv(second)  # a new request is a new grant
     assert more.command == P.TASKS
     assert {t["seq"] for t in more.header["tasks"]}.isdisjoint(t["seq"] for t in granted.header["tasks"])
+    second.send_multipart(P.encode(P.LEASE, {"req": 4, "max_tasks": 1, "policy_version": 0}))
+    same_req = recv(second)  # a req used again on the connection that was granted it: another request, not a resend
+    assert same_req.command == P.TASKS and same_req.header["tasks"] != more.header["tasks"]
 
 
 def test_leases_outlive_a_broker_restart_with_their_request_and_their_holders_session(broker_factory, raw_dealer):
