@@ -99,8 +99,7 @@ class Peers:
             self._by_identity.pop(old.identity, None)
         peer = Peer(hello["name"], hello["role"], identity, now, now - self._away, hello.get("policy_version", 0),
                     {"pid": hello.get("pid"), "host": hello.get("host"), "session": hello.get("session"),
-                     "capabilities": hello.get("capabilities", {})})
-        peer.joined = now
+                     "capabilities": hello.get("capabilities", {})}, joined=now)
         self._by_identity[identity] = peer
         self._by_name[peer.name] = peer
         return peer, old is not None

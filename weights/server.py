@@ -259,6 +259,7 @@ class WeightServer:
     def _error(self, ident: bytes, req: int | None, code: str, message: str) -> None:
         self.sock.send_multipart([ident, MAGIC, ERROR, P.pack({"req": req, "code": code, "message": message})])
 
+
 class FileMaps:
     """The files being served, mapped read-only, the last few used: a chunk goes to ZeroMQ as a view of the page
     cache, and the kernel copies it once, into the socket, where a read would first copy it into this process
