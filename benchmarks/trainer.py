@@ -26,8 +26,10 @@ broker and N fetch clients run there), with nobody fetching, with N clients
 that fetch every version it publishes from its weight server (`sync.serve`,
 deltas on, as explorers on other hosts do), with the server building deltas
 at normal priority instead of idle (`sync.serve_delta_priority`), and with
-the same clients taking whole versions only; `--serve-rounds` alternations
-of the four. The server's reads and sends run in the trainer's process and
+the same clients taking whole versions only, and with the clients fetching
+from an `rlbus mirror` on their side, which alone fetches from the trainer
+(deltas, or with --no-deltas whole versions); `--serve-rounds` alternations
+of the six. The server's reads and sends run in the trainer's process and
 its delta builds in children of it, all on its cores, so the step time with
 clients against without is the slowdown that serving causes. Step i trains the same batch in every run, so steps are
 also compared in pairs.
@@ -41,9 +43,14 @@ deterministic training takes there.
 Last line: one JSON object with tokens_per_s and non_compute_share (shared
 prompts), ratio_to_rows, each variant's figures, with --world-size a "ranks"
 object (per world size, and the ratio of N's tokens/s to 1's), and with
---serve a "serving" object: per variant (deltas, deltas_normal, whole) its
+--serve a "serving" object: per variant (deltas, deltas_normal, whole, mirror, mirror_whole) its
 step_slowdown (total step time over the baseline's, minus 1), the median of
-the paired steps', and the versions its clients fetched; step_slowdown at
+the paired steps', the versions its clients fetched, and the CPU that
+serving took on the trainer's core: serving_cpu_s_per_step (the trainer
+process's CPU outside its training thread, children included, over the
+baseline's, per step), serving_cpu_share (that over the baseline's step
+time) and training_thread_cpu_change (the training thread's CPU over the
+baseline's, minus 1: contention for caches and memory); step_slowdown at
 the top is the deltas'.
 """
 
@@ -58,6 +65,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -104,9 +112,10 @@ class Holder:
         return {}
 
 
-def fetcher(broker: str, bus: str, fetch_dir: str, stop, results) -> None:
+def fetcher(broker: str, bus: str, fetch_dir: str, stop, results, fetch_from: str = "") -> None:
     """A fetch client on another host: every version the bus announces, fetched from the trainer's weight
-    server by the explorer's own receiver (a delta against the version held, when the server has one)."""
+    server (or from `fetch_from`, a mirror) by the explorer's own receiver (a delta against the version held,
+    when the server has one)."""
     from structlog.testing import capture_logs
 
     from rlbus.common.client import BrokerClient
@@ -116,7 +125,7 @@ def fetcher(broker: str, bus: str, fetch_dir: str, stop, results) -> None:
     client = BrokerClient(broker, "tool", bus_address=bus, on_weights=announced.put)
     client.start(60)
     # A fetch that has begun when the trainer exits waits for its server this long before the client stops.
-    receiver, engine = Receiver("fetcher", fetch_dir, mode="fetch", fetch_timeout_s=10), Holder()
+    receiver, engine = Receiver("fetcher", fetch_dir, mode="fetch", fetch_timeout_s=10, fetch_from=fetch_from), Holder()
     with capture_logs() as logs:
         while not stop.is_set():
             try:
@@ -134,13 +143,15 @@ def fetcher(broker: str, bus: str, fetch_dir: str, stop, results) -> None:
 
 
 def run_variant(model: str, steps: int, shared_prompt: bool, micro_batch: int, world: int = 0,
-                extra: list[str] = (), fetched: list[dict] | None = None, fetchers: int = 0, groups: int = GROUPS
-                ) -> tuple[list[dict], list[dict]]:
+                extra: list[str] = (), fetched: list[dict] | None = None, fetchers: int = 0, groups: int = GROUPS,
+                mirror: str = "", cpu: list[dict] | None = None) -> tuple[list[dict], list[dict]]:
     """`steps` + 1 trainer steps against a broker filled with default-task-shaped groups: their train_step
     events (the first, which pays one-time warm-up, left out) and weights_published events. In this process,
     or with `world` > 0 as `rlbus trainer` with that many ranks. Given a `fetched` list (and `world` 1), the
     trainer runs on half of this host's cores, and the broker and `fetchers` fetch clients on the other half;
-    each weights_fetched event of theirs is added to the list."""
+    each weights_fetched event of theirs is added to the list. With `mirror` ("deltas" or "whole"), they fetch
+    from an `rlbus mirror` there, which alone fetches from the trainer, deltas or whole versions. Given a `cpu`
+    list, the trainer process's CPU is added to it."""
     cores = sorted(os.sched_getaffinity(0))
     trainer_cores, other_cores = set(cores[:len(cores) // 2]), set(cores[len(cores) // 2:])
     with tempfile.TemporaryDirectory(prefix="rlbus-bench-") as tmp:
@@ -153,17 +164,27 @@ def run_variant(model: str, steps: int, shared_prompt: bool, micro_batch: int, w
         ctx = mp.get_context("spawn")
         stop, results = ctx.Event(), ctx.Queue()
         clients: list = []
+        mirrored = None
         try:
             with broker_process(sets, Path(tmp) / "buffer") as broker:
                 fill(broker.address, steps + 1, groups)
+                if mirror and pinned:
+                    mirrored = subprocess.Popen(
+                        [sys.executable, "-m", "rlbus.cli", "mirror", "--broker", broker.address, "--dir",
+                         f"{tmp}/mirror", "--set", f"broker.pub_port={broker.pub_port}",
+                         "--set", "logging.level=warning", *(["--no-deltas"] if mirror == "whole" else [])],
+                        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                fetch_from = mirrored.stdout.readline().strip() if mirrored else ""
                 clients = [ctx.Process(target=fetcher, args=(broker.address, f"tcp://127.0.0.1:{broker.pub_port}",
-                                                             f"{tmp}/fetched-{i}", stop, results))
+                                                             f"{tmp}/fetched-{i}", stop, results, fetch_from))
                            for i in range(fetchers if pinned else 0)]
                 for c in clients:
                     c.start()
                 sets += [f"broker.address={broker.address}", f"broker.pub_port={broker.pub_port}"]
                 logs = train(model, steps, shared_prompt, micro_batch, world, sets, extra,
                              trainer_cores if pinned else None, Path(tmp))
+                if cpu is not None:
+                    cpu.extend(e for e in logs if e["event"] == "process_cpu")
                 stop.set()
                 for _ in clients:
                     try:
@@ -179,6 +200,13 @@ def run_variant(model: str, steps: int, shared_prompt: bool, micro_batch: int, w
                     if c.exitcode is None:
                         c.kill()
                         c.join()
+            if mirrored is not None:
+                mirrored.terminate()
+                try:
+                    mirrored.wait(30)
+                except subprocess.TimeoutExpired:
+                    mirrored.kill()
+                    mirrored.wait()
             os.sched_setaffinity(0, set(cores))
     return ([e for e in logs if e["event"] == "train_step"][1:],
             [e for e in logs if e["event"] == "weights_published" and "seconds" in e][1:])
@@ -209,9 +237,46 @@ def train(model: str, steps: int, shared_prompt: bool, micro_batch: int, world: 
     for item in trainer_sets + ([f"trainer.threads={len(cores)}"] if cores else []) + [
             f"trainer.world_size={world}", "logging.level=info", "logging.format=json", f"logging.file={log}"]:
         argv += ["--set", item]
-    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=1800,
-                   preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None)
-    return events(log)
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None)
+    seen: dict[int, float] = {}  # thread id -> CPU seconds, the last read before the process ended
+    children = 0.0
+    try:
+        while proc.poll() is None:
+            threads, waited = process_cpu(proc.pid)
+            seen.update(threads)
+            children = max(children, waited)
+            time.sleep(0.25)
+        if proc.returncode:
+            raise subprocess.CalledProcessError(proc.returncode, argv)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    main = seen.pop(proc.pid, 0.0)
+    return events(log) + [{"event": "process_cpu", "main_s": main, "other_threads_s": sum(seen.values()),
+                           "children_s": children}]
+
+
+def process_cpu(pid: int) -> tuple[dict[int, float], float]:
+    """CPU seconds of each thread of process `pid`, and of its children it has waited for (Linux /proc)."""
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def fields(path: Path) -> list[str]:
+        return path.read_text().rpartition(")")[2].split()  # after the command name, which may hold spaces
+
+    threads = {}
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                f = fields(task / "stat")
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            threads[int(task.name)] = (int(f[11]) + int(f[12])) / tick  # utime, stime
+        f = fields(Path(f"/proc/{pid}/stat"))
+    except (FileNotFoundError, ProcessLookupError):
+        return threads, 0.0
+    return threads, (int(f[13]) + int(f[14])) / tick  # cutime, cstime
 
 
 def serving_cost(model: str, steps: int, fetchers: int, rounds: int, whole: bool = True,
@@ -221,18 +286,22 @@ def serving_cost(model: str, steps: int, fetchers: int, rounds: int, whole: bool
     alternations, steps paired by index (step i trains the same batch in every run)."""
     variants = (("baseline", 0, []), ("deltas", fetchers, []),
                 *([("deltas_normal", fetchers, ["sync.serve_delta_priority=normal"]),
-                   ("whole", fetchers, ["sync.serve_deltas=false"])] if whole else []))
+                   ("whole", fetchers, ["sync.serve_deltas=false"])] if whole else []),
+                ("mirror", fetchers, []), *([("mirror_whole", fetchers, [])] if whole else []))
     steps_of: dict[str, list[list[dict]]] = {name: [] for name, _, _ in variants}
     fetched_of: dict[str, list] = {name: [] for name, _, _ in variants}
+    cpu_of: dict[str, list] = {name: [] for name, _, _ in variants}
     for r in range(rounds):
         for name, n, more in variants:
             got, published = run_variant(model, steps, True, 32, world=1, extra=[*extra, *more],
-                                         fetched=fetched_of[name], fetchers=n, groups=groups)
+                                         fetched=fetched_of[name], fetchers=n, groups=groups,
+                                         mirror={"mirror": "deltas", "mirror_whole": "whole"}.get(name, ""),
+                                         cpu=cpu_of[name])
             summarize(f"round {r + 1} {name} ({n} fetching)", got, published)
             steps_of[name].append(got)
     base = [e["step_s"] for run in steps_of["baseline"] for e in run]
     out: dict = {"fetchers": fetchers, "rounds": rounds, "baseline_mean_step_s": round(statistics.mean(base), 3)}
-    for name in ("deltas", "deltas_normal", "whole")[:3 if whole else 1]:
+    for name in ("deltas", "deltas_normal", "whole", "mirror", "mirror_whole") if whole else ("deltas", "mirror"):
         mine = [e["step_s"] for run in steps_of[name] for e in run]
         paired = [m / b - 1 for m, b in zip(mine, base)]
         got = fetched_of[name]
@@ -241,8 +310,20 @@ def serving_cost(model: str, steps: int, fetchers: int, rounds: int, whole: bool
                      "median_paired_slowdown": round(statistics.median(paired), 4),
                      "versions_fetched": len(got), "deltas_fetched": sum(1 for f in got if f["base"]),
                      "median_fetch_s": round(statistics.median(f["seconds"] for f in got), 3) if got else None}
+        # The trainer's CPU beside its training thread (its other threads and its delta builders), over the
+        # baseline's, per step: what serving took from its core, free of the step times' noise.
+        runs = len(cpu_of[name]) * (steps + 1)
+        extra_cpu = (sum(c["other_threads_s"] + c["children_s"] for c in cpu_of[name])
+                     - sum(c["other_threads_s"] + c["children_s"] for c in cpu_of["baseline"])) / runs
+        out[name]["serving_cpu_s_per_step"] = round(extra_cpu, 4)
+        out[name]["serving_cpu_share"] = round(extra_cpu / statistics.mean(base), 4)
+        out[name]["training_thread_cpu_change"] = round(
+            sum(c["main_s"] for c in cpu_of[name]) / sum(c["main_s"] for c in cpu_of["baseline"]) - 1, 4)
         print(f"serving {fetchers} fetch clients ({name}): trainer steps {out[name]['step_slowdown']:+.1%} "
-              f"(median of paired steps {out[name]['median_paired_slowdown']:+.1%}), {len(got)} versions fetched")
+              f"(median of paired steps {out[name]['median_paired_slowdown']:+.1%}), {len(got)} versions fetched; "
+              f"serving CPU on the trainer's core {extra_cpu:.3f} s per step "
+              f"({out[name]['serving_cpu_share']:.1%} of a step), its training thread's CPU "
+              f"{out[name]['training_thread_cpu_change']:+.1%}")
     out["step_slowdown"] = out["deltas"]["step_slowdown"]
     return out
 

@@ -1,8 +1,7 @@
 """The sections of a run's configuration, one per process or concern (`config.py` assembles and loads them).
 
-Every field has a docstring (shown by `rlbus config --help`-style tools and in
-errors) and a default that works on one machine.
-"""
+Every field has a docstring (shown by `rlbus config --help`-style tools and in errors) and a default that works on
+one machine."""
 
 from __future__ import annotations
 
@@ -282,6 +281,11 @@ class ExplorerConfig(Section):
     fetch, never read the trainer's directory."""
     weights_dir: str = ""
     """Where fetched versions are kept (default: run.dir/fetched/NAME)."""
+    fetch_from: Endpoint = ""
+    """Fetch from this weight server (tcp://HOST:PORT of an `rlbus mirror`) instead of the one the bus announces;
+    versions are still checked against the bus's digest."""
+    fetch_key: str = ""
+    """With CurveZMQ on and fetch_from set: that server's public key (the mirror logs it as it starts)."""
     fetch_timeout_s: float = Field(120.0, gt=0)
     """A fetch that gets no reply from the weight server for this long fails (and is tried again later)."""
     delta_wait_s: float | None = Field(None, ge=0)

@@ -73,7 +73,7 @@ class Explorer:
         self.evaluated: set[int] = set()
         self.receiver = Receiver(self.name, cfg.fetch_dir(self.name), cfg.explorer.receive,
                                  cfg.explorer.fetch_timeout_s, cfg.broker.curve_client_key, cfg.explorer.overlap_fetch,
-                                 cfg.explorer.delta_wait_s)
+                                 cfg.explorer.delta_wait_s, cfg.explorer.fetch_from, cfg.explorer.fetch_key)
         self.started_at = time.time()
 
     def connect(self) -> dict[str, Any]:

@@ -168,6 +168,39 @@ def reward(config: ConfigArg = None, set: SetOpt = None,
 
 
 @app.command()
+def mirror(config: ConfigArg = None, set: SetOpt = None,
+           broker: BrokerOpt = None,
+           dir: Annotated[Path, typer.Option(help="Where the mirrored versions are kept.")] = Path("mirror"),
+           host: Annotated[str, typer.Option(help="Interface to bind (0.0.0.0: all).")] = "127.0.0.1",
+           port: Annotated[int, typer.Option(help="Port to bind (0: a free one, printed).")] = 0,
+           advertise: Annotated[str, typer.Option(help="The host explorers dial (default: --host, or this "
+                                                       "machine's name for 0.0.0.0).")] = "",
+           keep: Annotated[int, typer.Option(help="Versions kept (explorers take deltas against them).")] = 3,
+           deltas: Annotated[bool, typer.Option(
+               help="Take deltas from the trainer where it builds them (--no-deltas: whole versions, and no delta "
+                    "builds on the trainer's host).")] = True,
+           ) -> None:
+    """Run a weight mirror: fetch every version the bus announces from the trainer's weight server, once, and
+    serve it to explorers whose explorer.fetch_from names this mirror (the trainer then sends each version once,
+    however many explorers fetch it)."""
+    sets = list(set or [])
+    if broker:
+        sets.append(f"broker.address={broker}")
+    cfg = _load(config, sets)
+    if keep < 2 or not 0 <= port <= 65535:
+        typer.echo("error: --keep is 2 or more and --port 0 to 65535", err=True)
+        raise typer.Exit(2)
+    _logging(cfg, "mirror", peer="mirror")
+    from rlbus.weights.mirror import run
+
+    try:
+        run(cfg, dir, host, port, advertise, keep, deltas)
+    except (OSError, TimeoutError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+
+
+@app.command()
 def status(config: ConfigArg = None, set: SetOpt = None,
            broker: BrokerOpt = None,
            timeout: Annotated[float, typer.Option(help="Seconds to wait for the broker.")] = 5.0) -> None:

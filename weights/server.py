@@ -75,10 +75,14 @@ def advertised(bind_host: str, advertise: str, port: int) -> str:
 class WeightServer:
     def __init__(self, weights_dir: str | Path, host: str = "127.0.0.1", port: int = 0, advertise: str = "",
                  chunk_bytes: int = 4 << 20, curve: tuple[str, str] | None = None, deltas: bool = True,
-                 delta_priority: str = "idle", map_files: bool = False):
+                 delta_priority: str = "idle", map_files: bool = False, await_s: float = 0.0):
         """`map_files`: send chunks as views of the files mapped into memory (`FileMaps`); only for a directory
-        whose files are replaced by rename or deleted, never rewritten in place, as the trainer's own."""
+        whose files are replaced by rename or deleted, never rewritten in place, as the trainer's own.
+        `await_s`: a request for a version newer than any held waits this long for it to arrive (a mirror's
+        versions arrive after the bus announced them, weights/mirror.py), then is answered `gone`."""
         self.dir = Path(weights_dir)
+        self.await_s = await_s
+        self._awaiting: list[tuple[float, list[bytes]]] = []  # (until when, request) for versions not here yet
         self._maps = FileMaps() if map_files else None
         self.dir.mkdir(parents=True, exist_ok=True)
         self.chunk_bytes = chunk_bytes
@@ -148,7 +152,7 @@ class WeightServer:
         while not self._stop.is_set():
             now = time.thread_time()
             self._serve_cpu, last = self._serve_cpu + now - last, now
-            if poller.poll(20 if self._waiting else 200):
+            if poller.poll(20 if self._waiting or self._awaiting else 200):
                 for _ in range(64):
                     try:
                         frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -159,6 +163,7 @@ class WeightServer:
                     except Exception:  # a bug or an unreadable file costs one request, never the server
                         log.exception("weights_request_failed")
             try:
+                self._arrived()
                 self._answer_ready()
             except Exception:
                 log.exception("weights_request_failed")
@@ -166,7 +171,7 @@ class WeightServer:
 
     # ---- requests -------------------------------------------------------------
 
-    def _on_request(self, frames: list[bytes]) -> None:
+    def _on_request(self, frames: list[bytes], waited: bool = False) -> None:
         if len(frames) != 4 or frames[1] != MAGIC:
             self._error(frames[0], None, "bad_request", f"expected [{MAGIC.decode()}, command, header]")
             return
@@ -185,8 +190,11 @@ class WeightServer:
         if request.delta_wait_ms is not None and request.delta_wait_ms < 0:
             self._error(ident, request.req, "bad_request", "delta_wait_ms is not negative")
             return
-        if len(self._waiting) >= MAX_WAITING:
+        if len(self._waiting) + len(self._awaiting) >= MAX_WAITING:
             self._error(ident, request.req, "busy", "too many requests wait for a manifest; ask again later")
+            return
+        if self.await_s and not waited and self._newer_than_held(request.version):
+            self._awaiting.append((time.monotonic() + self.await_s, frames))
             return
         patience = None
         if command == MANIFEST:
@@ -198,6 +206,22 @@ class WeightServer:
             wait = wait if self.manifests.backlog <= 1 else 0.0
             patience = (time.monotonic() + wait, wait)
         self._waiting.append((future, ident, command, request, patience))
+
+    def _newer_than_held(self, version: int) -> bool:
+        return not (self.dir / f"v{version}").is_dir() and version > max(self.held(), default=0)
+
+    def _arrived(self) -> None:
+        """Requests that waited for a version: taken up once it is here, or once their wait is over (`gone`)."""
+        if self._awaiting:
+            now, awaiting, self._awaiting = time.monotonic(), self._awaiting, []
+            for until, frames in awaiting:
+                if until > now and self._newer_than_held(msgspec.msgpack.decode(frames[3], type=Request).version):
+                    self._awaiting.append((until, frames))
+                    continue
+                try:
+                    self._on_request(frames, waited=True)
+                except Exception:  # as in `serve`: one request, never the others
+                    log.exception("weights_request_failed")
 
     def add(self, version: int, previous: tuple[int, str] | None) -> str:
         """A version is written under the served directory; its digest (`Manifests.add`)."""

@@ -130,8 +130,10 @@ class Receiver:
 
     def __init__(self, name: str, fetch_dir: str | Path | None = None, mode: str = "auto",
                  fetch_timeout_s: float = 120.0, client_secret_file: str = "", overlap: bool = True,
-                 delta_wait_s: float | None = None):
+                 delta_wait_s: float | None = None, fetch_from: str = "", fetch_key: str = ""):
         self.name = name
+        # A weight server to fetch from in place of the announced one (a mirror), and its CurveZMQ key.
+        self.fetch_from, self.fetch_key = fetch_from, fetch_key
         self.mode = mode
         self.overlap = overlap  # reload while a fetch arrives, into an engine that says it may (`overlaps_fetch`)
         self.fetch_dir = Path(fetch_dir) if fetch_dir else None
@@ -169,6 +171,8 @@ class Receiver:
             except (DigestMismatch, FileNotFoundError) as exc:
                 log.warning("weights_path_unusable", policy_version=state["version"], location=location,
                             error=str(exc), fetch=bool(state.get("fetch_from")))
+        if self.fetch_from:
+            state = {**state, "fetch_from": self.fetch_from, "fetch_key": self.fetch_key}
         if state.get("fetch_from") and self.fetch_dir is not None:
             return self._fetch(engine, state)
         log.error("weights_unreachable", policy_version=state["version"], location=location,
