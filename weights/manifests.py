@@ -17,6 +17,13 @@ client has asked for a delta, `add` starts the build of each new version's
 delta from the one before, so a client that asks once the version is
 announced finds it ready when there was CPU to spare; not while two builds
 wait (`backlog`), so a trainer that leaves no CPU does not pile them up.
+Nor while builds come too late: once the deltas of `LATE` versions in a row
+were not ready for any client that asked in time (each got the whole
+version), a delta is built for one version in `PROBE_EVERY` only, ahead or
+asked for, until one comes in time. An idle-priority build still takes
+caches, memory bandwidth and the CPU of the moments training waits: on a
+two-core host it cost a trainer on one core about 5% of its step, for
+deltas no client took (benchmarks/trainer.py --serve).
 """
 
 from __future__ import annotations
@@ -39,6 +46,8 @@ from rlbus.weights.digest import chunk_hashes, scan_version, weights_digest
 log = structlog.get_logger()
 
 DELTAS = ".deltas"
+LATE = 2  # versions in a row whose delta no client took in time: from then on, builds are tried now and then
+PROBE_EVERY = 8  # while builds are late: one version in this many gets a delta built
 
 
 class Gone(Exception):
@@ -70,6 +79,8 @@ class Manifests:
         self._digests: dict[tuple[int, tuple[int, int] | None], str] = {}
         self.cpu_s = 0.0  # CPU time spent hashing and building
         self.backlog = 0  # delta builds submitted and not finished: more than one, and the builder is behind
+        self.late = 0  # versions in a row whose delta came too late for every client that asked (`missed`)
+        self._missed = self._tried = -1  # the last version that `missed` counted, the last one tried while late
         self._counting = threading.Lock()  # not `_lock`: a build done at once runs `_built` under `_lock`
 
     def close(self) -> None:
@@ -112,9 +123,39 @@ class Manifests:
         made.set_result(whole)
         with self._lock:
             self._remember((version, self._stamp(version), None, ""), made)
-        if self.delta_asked and previous is not None and self.backlog < 2:  # a builder behind gets no more
-            self.get(version, *previous)
+        if self.delta_asked and previous is not None and self.backlog < 2 and self.worth_building(version):
+            self.get(version, *previous)  # (a builder behind gets no more)
         return whole["digest"]
+
+    def worth_building(self, version: int) -> bool:
+        """Whether to build a delta of `version`: while builds come in time, always; once `LATE` in a row came too
+        late, for one version in `PROBE_EVERY` (to see whether there is CPU again)."""
+        if self.late < LATE:
+            return True
+        if version < self._tried + PROBE_EVERY:
+            return False
+        self._tried = version
+        return True
+
+    def missed(self, version: int) -> None:
+        """A client was given the whole `version` because its delta was not built in time."""
+        if version != self._missed:
+            self._missed, self.late = version, self.late + 1
+            if self.late == LATE:
+                self._tried = version
+                log.info("weights_deltas_paused", policy_version=version, late=LATE, probe_every=PROBE_EVERY,
+                         reason="deltas not built in time for any client: no CPU to spare")
+
+    def taken(self) -> None:
+        """A client was given a delta manifest: builds come in time."""
+        if self.late >= LATE:
+            log.info("weights_deltas_resumed")
+        self.late = 0
+
+    def building(self, version: int, base: int, base_digest: str) -> bool:
+        """Whether the delta of `version` from `base` is built or being built."""
+        with self._lock:
+            return (version, self._stamp(version), base, base_digest) in self._manifests
 
     def get(self, version: int, base: int | None, base_digest: str) -> Future:
         """The manifest of `version` as a delta from `base` when one can be made, else whole; built once."""

@@ -199,6 +199,10 @@ class WeightServer:
         patience = None
         if command == MANIFEST:
             self.manifests.delta_asked |= request.base is not None and self.manifests.deltas
+            if request.base is not None and not self.manifests.building(request.version, request.base,
+                                                                        request.base_digest) \
+                    and not self.manifests.worth_building(request.version):
+                request.base = None  # builds come too late here (`Manifests.missed`): the whole version at once
         future = self.manifests.get(request.version, request.base, request.base_digest)
         if command == MANIFEST and request.base is not None:
             # A builder with more than this build to do is not keeping up (no CPU to spare): the whole at once.
@@ -238,6 +242,7 @@ class WeightServer:
                 # names no base, so the client asks for whole chunks); the delta goes on for later clients.
                 log.info("weights_delta_not_ready", policy_version=request.version, base=request.base,
                          waited_s=patience[1], backlog=self.manifests.backlog)
+                self.manifests.missed(request.version)
                 future, patience = self.manifests.get(request.version, None, ""), None
             if not future.done():
                 still.append((future, ident, command, request, patience))
@@ -247,7 +252,10 @@ class WeightServer:
                 code = "gone" if isinstance(exc, Gone) else "internal"
                 self._error(ident, request.req, code, str(exc))
             elif command == MANIFEST:
-                self._send(ident, MANIFEST, {"req": request.req, **future.result()})
+                manifest = future.result()
+                if manifest["base"] is not None:
+                    self.manifests.taken()
+                self._send(ident, MANIFEST, {"req": request.req, **manifest})
             else:
                 self._chunk(ident, request, future.result())
         self._waiting = still

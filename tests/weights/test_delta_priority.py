@@ -224,3 +224,41 @@ def test_a_build_that_is_done_before_it_is_counted_is_counted_off(served):
     asking.join(30)
     assert not asking.is_alive(), "the server deadlocked counting a build off"
     assert got[0]["base"] == 1 and server.manifests.backlog == 0
+
+
+def test_deltas_that_come_too_late_are_built_for_one_version_in_eight_until_one_comes_in_time(tmp_path):
+    from tests.helpers.served import publish_versions
+
+    root = tmp_path / "served"
+    digests = publish_versions(root, 12)
+    server = WeightServer(root, chunk_bytes=CHUNK_BYTES).start()
+
+    def built() -> list[int]:  # the versions whose delta was built
+        return sorted(int(p.name.split(".")[0].partition("-v")[2]) for p in (root / ".deltas").glob("v*-v*"))
+
+    def fetch(version: int, wait_s: float):
+        base = Base(version - 1, root / f"v{version - 1}", digests[version - 1])
+        return fetch_version(server.address, version, digests[version], tmp_path / f"e{version}", base,
+                             delta_wait_s=wait_s)
+
+    try:
+        with capture_logs() as logs:
+            # A client that waits for no build: v2's and v3's deltas are not ready in time, and the builds pause.
+            assert fetch(2, 0).base is None and fetch(3, 0).base is None
+            built_all(server)
+            assert built() == [2, 3]
+            server.add(4, (3, digests[3]))  # published: no delta built ahead either
+            for version in range(4, 11):
+                got = fetch(version, 0)
+                assert got.base is None and same_files(got.path, root / f"v{version}")
+            built_all(server)
+            assert built() == [2, 3]
+            # One version in eight gets its delta built; this client waits for it, takes it, and builds resume.
+            assert fetch(11, 30).base == 10
+            assert fetch(12, 0).base is None
+            built_all(server)
+            assert built() == [2, 3, 11, 12]
+        assert [e["event"] for e in logs if e["event"].startswith("weights_deltas_")] == \
+            ["weights_deltas_paused", "weights_deltas_resumed"]
+    finally:
+        server.close()
