@@ -28,8 +28,8 @@ deltas on, as explorers on other hosts do), with the server building deltas
 at normal priority instead of idle (`sync.serve_delta_priority`), and with
 the same clients taking whole versions only, and with the clients fetching
 from an `rlbus mirror` on their side, which alone fetches from the trainer
-(deltas, or with --no-deltas whole versions); `--serve-rounds` alternations
-of the six. The server's reads and sends run in the trainer's process and
+(whole versions, and with --deltas its deltas); `--serve-rounds`
+alternations of the six. The server's reads and sends run in the trainer's process and
 its delta builds in children of it, all on its cores, so the step time with
 clients against without is the slowdown that serving causes. Step i trains the same batch in every run, so steps are
 also compared in pairs.
@@ -43,7 +43,7 @@ deterministic training takes there.
 Last line: one JSON object with tokens_per_s and non_compute_share (shared
 prompts), ratio_to_rows, each variant's figures, with --world-size a "ranks"
 object (per world size, and the ratio of N's tokens/s to 1's), and with
---serve a "serving" object: per variant (deltas, deltas_normal, whole, mirror, mirror_whole) its
+--serve a "serving" object: per variant (deltas, deltas_normal, whole, mirror, mirror_deltas) its
 step_slowdown (total step time over the baseline's, minus 1), the median of
 the paired steps', the versions its clients fetched, and the CPU that
 serving took on the trainer's core: serving_cpu_s_per_step (the trainer
@@ -149,8 +149,8 @@ def run_variant(model: str, steps: int, shared_prompt: bool, micro_batch: int, w
     events (the first, which pays one-time warm-up, left out) and weights_published events. In this process,
     or with `world` > 0 as `rlbus trainer` with that many ranks. Given a `fetched` list (and `world` 1), the
     trainer runs on half of this host's cores, and the broker and `fetchers` fetch clients on the other half;
-    each weights_fetched event of theirs is added to the list. With `mirror` ("deltas" or "whole"), they fetch
-    from an `rlbus mirror` there, which alone fetches from the trainer, deltas or whole versions. Given a `cpu`
+    each weights_fetched event of theirs is added to the list. With `mirror` ("whole" or "deltas"), they fetch
+    from an `rlbus mirror` there, which alone fetches from the trainer, whole versions or deltas. Given a `cpu`
     list, the trainer process's CPU is added to it."""
     cores = sorted(os.sched_getaffinity(0))
     trainer_cores, other_cores = set(cores[:len(cores) // 2]), set(cores[len(cores) // 2:])
@@ -172,7 +172,7 @@ def run_variant(model: str, steps: int, shared_prompt: bool, micro_batch: int, w
                     mirrored = subprocess.Popen(
                         [sys.executable, "-m", "rlbus.cli", "mirror", "--broker", broker.address, "--dir",
                          f"{tmp}/mirror", "--set", f"broker.pub_port={broker.pub_port}",
-                         "--set", "logging.level=warning", *(["--no-deltas"] if mirror == "whole" else [])],
+                         "--set", "logging.level=warning", *(["--deltas"] if mirror == "deltas" else [])],
                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
                 fetch_from = mirrored.stdout.readline().strip() if mirrored else ""
                 clients = [ctx.Process(target=fetcher, args=(broker.address, f"tcp://127.0.0.1:{broker.pub_port}",
@@ -287,7 +287,7 @@ def serving_cost(model: str, steps: int, fetchers: int, rounds: int, whole: bool
     variants = (("baseline", 0, []), ("deltas", fetchers, []),
                 *([("deltas_normal", fetchers, ["sync.serve_delta_priority=normal"]),
                    ("whole", fetchers, ["sync.serve_deltas=false"])] if whole else []),
-                ("mirror", fetchers, []), *([("mirror_whole", fetchers, [])] if whole else []))
+                ("mirror", fetchers, []), *([("mirror_deltas", fetchers, [])] if whole else []))
     steps_of: dict[str, list[list[dict]]] = {name: [] for name, _, _ in variants}
     fetched_of: dict[str, list] = {name: [] for name, _, _ in variants}
     cpu_of: dict[str, list] = {name: [] for name, _, _ in variants}
@@ -295,13 +295,13 @@ def serving_cost(model: str, steps: int, fetchers: int, rounds: int, whole: bool
         for name, n, more in variants:
             got, published = run_variant(model, steps, True, 32, world=1, extra=[*extra, *more],
                                          fetched=fetched_of[name], fetchers=n, groups=groups,
-                                         mirror={"mirror": "deltas", "mirror_whole": "whole"}.get(name, ""),
+                                         mirror={"mirror": "whole", "mirror_deltas": "deltas"}.get(name, ""),
                                          cpu=cpu_of[name])
             summarize(f"round {r + 1} {name} ({n} fetching)", got, published)
             steps_of[name].append(got)
     base = [e["step_s"] for run in steps_of["baseline"] for e in run]
     out: dict = {"fetchers": fetchers, "rounds": rounds, "baseline_mean_step_s": round(statistics.mean(base), 3)}
-    for name in ("deltas", "deltas_normal", "whole", "mirror", "mirror_whole") if whole else ("deltas", "mirror"):
+    for name in ("deltas", "deltas_normal", "whole", "mirror", "mirror_deltas") if whole else ("deltas", "mirror"):
         mine = [e["step_s"] for run in steps_of[name] for e in run]
         paired = [m / b - 1 for m, b in zip(mine, base)]
         got = fetched_of[name]

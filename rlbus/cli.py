@@ -177,8 +177,8 @@ def mirror(config: ConfigArg = None, set: SetOpt = None,
                                                        "machine's name for 0.0.0.0).")] = "",
            keep: Annotated[int, typer.Option(help="Versions kept (explorers take deltas against them).")] = 3,
            deltas: Annotated[bool, typer.Option(
-               help="Take deltas from the trainer where it builds them (--no-deltas: whole versions, and no delta "
-                    "builds on the trainer's host).")] = True,
+               help="Take deltas from the trainer when it has them ready, for a mirror on a slow link to it "
+                    "(default: whole versions, and no delta builds on the trainer's host).")] = False,
            ) -> None:
     """Run a weight mirror: fetch every version the bus announces from the trainer's weight server, once, and
     serve it to explorers whose explorer.fetch_from names this mirror (the trainer then sends each version once,

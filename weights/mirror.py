@@ -1,18 +1,23 @@
 """A weight mirror: a host that follows the bus and serves the trainer's versions to explorers in its place.
 
-The trainer's weight server sends each version once per explorer that
-fetches it, on the trainer's own cores: with N explorers on other hosts, N
-copies (on a two-core CPU host, 2 copies of the default model cost a step
-6-10%, benchmarks/trainer.py --serve). A mirror fetches each announced
-version once, whole or as a delta against the version it holds (the same
-receiver as an explorer's, every chunk and the whole version checked against
-the bus's digest), and serves it with a weight server of its own: deltas for
-its explorers are built on its host, not the trainer's. Explorers point
-`explorer.fetch_from` at it. A request for a version newer than any the
-mirror holds waits for it (`await_s`), since an explorer and the mirror hear
-of a version at the same moment.
+The trainer's weight server sends each version once per explorer that fetches
+it, from the trainer's own cores, and builds deltas there. A mirror fetches
+each announced version once and serves it with a weight server of its own:
+the trainer's cost no longer grows with the number of explorers, and the
+deltas those explorers take are built on the mirror's host. By default it
+takes whole versions, so the trainer builds no delta at all: on a two-core
+host, with the trainer on one core and two explorers fetching every version
+of the default model, two explorers fetching from the trainer slowed its
+step by 5-13%, through a mirror taking whole versions by 1.8% (its serving
+CPU 0.9-1.8% of a step), through one taking deltas (`deltas`, for a mirror
+on a slow link to the trainer) by 4.5-10% (benchmarks/trainer.py --serve).
+Every chunk and the whole version are checked against the bus's digest, by
+the mirror and again by each explorer, so a mirror can delay a version but
+not change one. Explorers point `explorer.fetch_from` at it. A request for a
+version newer than any the mirror holds waits for it (`await_s`), since an
+explorer and the mirror hear of a version at the same moment.
 
-    rlbus mirror [CONFIG] --dir DIR [--host H] [--port P] [--advertise A]
+    rlbus mirror [CONFIG] --broker ADDRESS --dir DIR [--host H] [--port P] [--advertise A] [--deltas]
 """
 
 from __future__ import annotations
@@ -39,9 +44,9 @@ class Mirror:
     serves what it holds (the newest `keep`, so explorers still find the bases they take deltas against)."""
 
     def __init__(self, cfg, directory: str | Path, host: str = "127.0.0.1", port: int = 0, advertise: str = "",
-                 keep: int = 3, fetch_timeout_s: float = 120.0, deltas: bool = True):
-        """`deltas`: take deltas from the trainer when it has them (built from CPU its training leaves); off, whole
-        versions only, and the trainer builds none (a mirror on a fast link to a trainer with no CPU to spare)."""
+                 keep: int = 3, fetch_timeout_s: float = 120.0, deltas: bool = False):
+        """`deltas`: take deltas from the trainer when it has them ready, for a mirror on a slow link to it; off
+        (the default), whole versions, and the trainer builds no delta at all (see the module docstring)."""
         from rlbus.weights.server import WeightServer
 
         if keep < 2:
@@ -160,7 +165,7 @@ class Mirror:
         return True
 
 
-def run(cfg, directory: str | Path, host: str, port: int, advertise: str, keep: int, deltas: bool = True) -> None:
+def run(cfg, directory: str | Path, host: str, port: int, advertise: str, keep: int, deltas: bool = False) -> None:
     """`rlbus mirror`: until SIGTERM, SIGINT or SIGHUP."""
     from rlbus.common.processes import on_stop_signals
 
