@@ -154,3 +154,53 @@ def test_a_mirror_takes_a_new_runs_versions_under_numbers_it_holds_and_drops_the
     finally:
         mirror.server.close()
         origin.close()
+
+
+def test_with_curve_a_mirror_fetches_with_its_own_key_and_serves_only_admitted_explorers(broker_factory, clients,
+                                                                                       tmp_path):
+    import subprocess
+    import sys
+
+    from rlbus.common.curve import make_keys
+
+    keys = tmp_path / "keys"
+    make_keys(keys / "broker", "broker")
+    for name in ("trainer", "mirror", "explorer"):
+        make_keys(keys / "admitted", name)
+    _, stranger = make_keys(keys / "strangers", "stranger")
+    curve = [f"broker.curve_server_key={keys}/broker/broker.key", f"broker.curve_authorized_dir={keys}/admitted"]
+    b = broker_factory(f"broker.curve_secret_key={keys}/broker/broker.key_secret", curve[1])
+    root = tmp_path / "trainer"
+    digests = publish_versions(root, 1)
+    origin = WeightServer(root, chunk_bytes=CHUNK_BYTES,
+                          curve=(f"{keys}/admitted/trainer.key_secret", f"{keys}/admitted")).start()
+    log = tmp_path / "mirror.jsonl"
+    argv = [sys.executable, "-m", "rlbus.cli", "mirror", "--broker", b.address, "--dir", str(tmp_path / "mirror")]
+    for item in [f"broker.pub_port={b.pub_port}", f"sync.serve_chunk_mb={CHUNK_BYTES / (1 << 20)}", *curve,
+                 f"broker.curve_client_key={keys}/admitted/mirror.key_secret", "logging.format=json",
+                 f"logging.file={log}"]:
+        argv += ["--set", item]
+    mirror = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        address = mirror.stdout.readline().strip()
+        assert address.startswith("tcp://"), f"the mirror printed {address!r} (exit {mirror.poll()})"
+        deadline = time.monotonic() + 30
+        while not (started := [e for e in events(log) if e["event"] == "mirror_started"]):
+            assert time.monotonic() < deadline and mirror.poll() is None, "the mirror never joined the broker"
+            time.sleep(0.1)
+        mirror_key = started[0]["public_key"]
+        trainer = clients(b, "trainer", "tr", curve_server_key=f"{keys}/broker/broker.key",
+                          curve_client_key=f"{keys}/admitted/trainer.key_secret")
+        state = {**state_of(origin, root, digests, 1, location=tmp_path / "elsewhere" / "v1"),
+                 "fetch_key": origin.public_key}
+        trainer.request(P.PUBLISH, state)
+        admitted = Receiver("e", tmp_path / "e", mode="fetch", fetch_timeout_s=30, fetch_from=address,
+                            fetch_key=mirror_key, client_secret_file=f"{keys}/admitted/explorer.key_secret")
+        engine = RecordingEngine()
+        assert admitted.load(engine, state) and same_files(tmp_path / "e" / "v1", root / "v1")
+        outsider = Receiver("s", tmp_path / "s", mode="fetch", fetch_timeout_s=1, fetch_from=address,
+                            fetch_key=mirror_key, client_secret_file=str(stranger))
+        assert not outsider.load(RecordingEngine(), state)  # no handshake, no reply: the fetch gives up
+    finally:
+        stop(mirror)
+        origin.close()
