@@ -5,12 +5,12 @@ it, from the trainer's own cores, and builds deltas there. A mirror fetches
 each announced version once and serves it with a weight server of its own:
 the trainer's cost no longer grows with the number of explorers, and the
 deltas those explorers take are built on the mirror's host. By default it
-takes whole versions, so the trainer builds no delta at all: on a two-core
-host, with the trainer on one core and two explorers fetching every version
-of the default model, two explorers fetching from the trainer slowed its
-step by 5-13%, through a mirror taking whole versions by 1.8% (its serving
-CPU 0.9-1.8% of a step), through one taking deltas (`deltas`, for a mirror
-on a slow link to the trainer) by 4.5-10% (benchmarks/trainer.py --serve).
+takes whole versions, so the trainer builds no delta at all. Two explorers
+fetching every version of the default model from a trainer that trains on
+one core of a two-core host slowed its steps by 5-15%; through a mirror
+taking whole versions, by -0.1% to +1.8% (serving took 0.9-2.8% of a step
+of its CPU); through one taking deltas (`deltas`, for a mirror on a slow
+link to the trainer), by 4.5-10% (benchmarks/trainer.py --serve).
 Every chunk and the whole version are checked against the bus's digest, by
 the mirror and again by each explorer, so a mirror can delay a version but
 not change one. Explorers point `explorer.fetch_from` at it. A request for a
