@@ -63,7 +63,7 @@ class Mirror:
             shutil.rmtree(stale, ignore_errors=True)
         self.server = WeightServer(self.dir, host, port, advertise, chunk_bytes=int(s.serve_chunk_mb * (1 << 20)),
                                    curve=curve, deltas=s.serve_deltas, delta_priority=s.serve_delta_priority,
-                                   map_files=True, await_s=AWAIT_S)
+                                   map_files=True, await_s=AWAIT_S, settings="rlbus mirror --host, --port")
         self.held: tuple[int, str] | None = None  # (version, digest) of the newest version held
         for version, path in reversed(version_dirs(self.dir)):
             try:

@@ -75,11 +75,13 @@ def advertised(bind_host: str, advertise: str, port: int) -> str:
 class WeightServer:
     def __init__(self, weights_dir: str | Path, host: str = "127.0.0.1", port: int = 0, advertise: str = "",
                  chunk_bytes: int = 4 << 20, curve: tuple[str, str] | None = None, deltas: bool = True,
-                 delta_priority: str = "idle", map_files: bool = False, await_s: float = 0.0):
+                 delta_priority: str = "idle", map_files: bool = False, await_s: float = 0.0,
+                 settings: str = "sync.serve_host, sync.serve_port"):
         """`map_files`: send chunks as views of the files mapped into memory (`FileMaps`); only for a directory
         whose files are replaced by rename or deleted, never rewritten in place, as the trainer's own.
         `await_s`: a request for a version newer than any held waits this long for it to arrive (a mirror's
-        versions arrive after the bus announced them, weights/mirror.py), then is answered `gone`."""
+        versions arrive after the bus announced them, weights/mirror.py), then is answered `gone`. `settings`: what
+        sets host and port, for the error when they cannot be bound."""
         self.dir = Path(weights_dir)
         self.await_s = await_s
         self._awaiting: list[tuple[float, list[bytes]]] = []  # (until when, request) for versions not here yet
@@ -112,8 +114,8 @@ class WeightServer:
                 self.auth.stop()
             self.sock.close(0)
             self.ctx.term()
-            raise OSError(f"the weight server cannot listen on {host}:{port or 'a free port'} "
-                          f"(sync.serve_host, sync.serve_port): {exc}") from exc
+            raise OSError(f"the weight server cannot listen on {host}:{port or 'a free port'} ({settings}): "
+                          f"{exc}") from exc
         self.address = advertised(host, advertise, port)
         # (manifest, client, command, request, patience): patience is (when a delta's wait ends, the wait), or None
         self._waiting: list[tuple[Future, bytes, bytes, Request, tuple[float, float] | None]] = []
