@@ -67,8 +67,7 @@ def test_a_mirror_fetches_each_version_once_and_serves_it_to_every_explorer(brok
         early.join(60)
         assert engines[0].version == 1
         for v in (2, 3):
-            if v > 1:
-                trainer.request(P.PUBLISH, states[v])
+            trainer.request(P.PUBLISH, states[v])
             for receiver, engine in zip(receivers, engines):
                 if engine.version < v:
                     assert receiver.load(engine, states[v])
