@@ -202,8 +202,8 @@ class Run:
 
 def _reason(run: Run, limits: Limits) -> str:
     """Why a program failed, from the exit status, the CPU time and the clock (never from its output:
-    a hostile program can print anything). Its last line of stderr is quoted as its own words."""
-    tail = run.stderr.strip().splitlines()[-1][:200] if run.stderr.strip() else ""
+    a hostile program can print anything). What it said last is quoted as its own words (`_last_said`)."""
+    tail = _last_said(run.stderr)
     said = f": the program said {tail!r}" if tail else ""
     code = run.code
     if run.timed_out:
@@ -221,6 +221,15 @@ def _reason(run: Run, limits: Limits) -> str:
             name = str(-code)
         return f"killed by signal {name}{said}"
     return f"exit code {code}{said}"
+
+
+def _last_said(stderr: str) -> str:
+    """The last line of `stderr` that is not part of a traceback's frames (indented) or its header: the
+    exception a Python program died of. Not simply the last line: the processes a program forked share its
+    stderr, and a child's traceback can end after the parent's."""
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    said = [line for line in lines if not line[0].isspace() and line != "Traceback (most recent call last):"]
+    return (said or lines or [""])[-1][:200]
 
 
 def _world_executable(path: str) -> bool:

@@ -94,3 +94,14 @@ def test_no_other_process_can_be_signalled_or_traced(without):
     finally:
         victim.kill()
         victim.wait()
+
+
+def test_the_words_quoted_are_the_exception_a_program_died_of_even_when_a_forked_childs_traceback_ends_last():
+    from rlbus.reward.sandbox import _last_said
+
+    parent = 'Traceback (most recent call last):\n  File "main.py", line 3, in <module>\n    os.fork()\n' \
+             "BlockingIOError: [Errno 11] Resource temporarily unavailable\n"
+    child_cut_short = 'Traceback (most recent call last):\n  File "main.py", line 3, in <module>\n'
+    assert _last_said(parent + child_cut_short) == "BlockingIOError: [Errno 11] Resource temporarily unavailable"
+    assert _last_said("  only indented\n") == "  only indented" and _last_said("\n \n") == ""
+    assert _last_said("first\nlast words\n") == "last words"
