@@ -42,7 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.harness import broker_process  # noqa: E402
+from benchmarks.harness import broker_process, cpu_seconds  # noqa: E402
 
 GROUP = 8  # samples per group (repeat)
 
@@ -222,12 +222,6 @@ def bench_raw(args, mode: str = "raw", relayed: bool = False) -> Run:
         pull.close(0)
         ctx.term()
     return Run(args.per_producer * args.producers / elapsed, [], {"producers": producers, **used})
-
-
-def cpu_seconds(pid: int) -> float:
-    """User and system CPU seconds of a process so far (Linux: /proc/PID/stat)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def bench_broker(args, data_dir: Path) -> Run:

@@ -1,4 +1,5 @@
-"""What every benchmark needs: a real broker process for the run, on ports it binds itself."""
+"""What every benchmark needs: a real broker process for the run, on ports it binds itself, and the CPU time of
+processes and their threads (Linux /proc)."""
 
 from __future__ import annotations
 
@@ -54,3 +55,30 @@ def broker_process(sets: list[str], buffer_dir: Path, profile: str = "", config:
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGTERM)
         proc.wait(60)
+
+
+def stat_cpu(stat: Path) -> tuple[float, float]:
+    """From a /proc stat file (a process's, or one of its threads'): user + system CPU seconds, and those of the
+    children it has waited for."""
+    fields = stat.read_text().rpartition(")")[2].split()  # after the command name, which may hold spaces
+    tick = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / tick, (int(fields[13]) + int(fields[14])) / tick
+
+
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU seconds of a process so far."""
+    return stat_cpu(Path(f"/proc/{pid}/stat"))[0]
+
+
+def thread_cpu(pid: int) -> tuple[dict[int, float], float]:
+    """CPU seconds of each thread of process `pid`, and of its children it has waited for; empty once it is gone."""
+    threads = {}
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                threads[int(task.name)] = stat_cpu(task / "stat")[0]
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+        return threads, stat_cpu(Path(f"/proc/{pid}/stat"))[1]
+    except (FileNotFoundError, ProcessLookupError):
+        return threads, 0.0

@@ -70,7 +70,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.harness import broker_process  # noqa: E402
+from benchmarks.harness import broker_process, thread_cpu  # noqa: E402
 
 
 SYSTEM_TOKENS, QUESTION_TOKENS = 30, 14  # the default task's prompt: chat template's system prompt + question
@@ -243,7 +243,7 @@ def train(model: str, steps: int, shared_prompt: bool, micro_batch: int, world: 
     children = 0.0
     try:
         while proc.poll() is None:
-            threads, waited = process_cpu(proc.pid)
+            threads, waited = thread_cpu(proc.pid)
             seen.update(threads)
             children = max(children, waited)
             time.sleep(0.25)
@@ -256,27 +256,6 @@ def train(model: str, steps: int, shared_prompt: bool, micro_batch: int, world: 
     main = seen.pop(proc.pid, 0.0)
     return events(log) + [{"event": "process_cpu", "main_s": main, "other_threads_s": sum(seen.values()),
                            "children_s": children}]
-
-
-def process_cpu(pid: int) -> tuple[dict[int, float], float]:
-    """CPU seconds of each thread of process `pid`, and of its children it has waited for (Linux /proc)."""
-    tick = os.sysconf("SC_CLK_TCK")
-
-    def fields(path: Path) -> list[str]:
-        return path.read_text().rpartition(")")[2].split()  # after the command name, which may hold spaces
-
-    threads = {}
-    try:
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            try:
-                f = fields(task / "stat")
-            except (FileNotFoundError, ProcessLookupError):
-                continue
-            threads[int(task.name)] = (int(f[11]) + int(f[12])) / tick  # utime, stime
-        f = fields(Path(f"/proc/{pid}/stat"))
-    except (FileNotFoundError, ProcessLookupError):
-        return threads, 0.0
-    return threads, (int(f[13]) + int(f[14])) / tick  # cutime, cstime
 
 
 def serving_cost(model: str, steps: int, fetchers: int, rounds: int, whole: bool = True,
