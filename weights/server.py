@@ -84,7 +84,7 @@ class WeightServer:
         sets host and port, for the error when they cannot be bound."""
         self.dir = Path(weights_dir)
         self.await_s = await_s
-        self._awaiting: list[tuple[float, list[bytes]]] = []  # (until when, request) for versions not here yet
+        self._awaiting: list[tuple[float, int, list[bytes]]] = []  # (until when, version, request) not here yet
         self._maps = FileMaps() if map_files else None
         self.dir.mkdir(parents=True, exist_ok=True)
         self.chunk_bytes = chunk_bytes
@@ -196,7 +196,7 @@ class WeightServer:
             self._error(ident, request.req, "busy", "too many requests wait for a manifest; ask again later")
             return
         if self.await_s and not waited and self._newer_than_held(request.version):
-            self._awaiting.append((time.monotonic() + self.await_s, frames))
+            self._awaiting.append((time.monotonic() + self.await_s, request.version, frames))
             return
         patience = None
         if command == MANIFEST:
@@ -213,16 +213,17 @@ class WeightServer:
             patience = (time.monotonic() + wait, wait)
         self._waiting.append((future, ident, command, request, patience))
 
-    def _newer_than_held(self, version: int) -> bool:
-        return not (self.dir / f"v{version}").is_dir() and version > max(self.held(), default=0)
+    def _newer_than_held(self, version: int, newest: int | None = None) -> bool:
+        newest = max(self.held(), default=0) if newest is None else newest
+        return not (self.dir / f"v{version}").is_dir() and version > newest
 
     def _arrived(self) -> None:
         """Requests that waited for a version: taken up once it is here, or once their wait is over (`gone`)."""
         if self._awaiting:
-            now, awaiting, self._awaiting = time.monotonic(), self._awaiting, []
-            for until, frames in awaiting:
-                if until > now and self._newer_than_held(msgspec.msgpack.decode(frames[3], type=Request).version):
-                    self._awaiting.append((until, frames))
+            now, newest, awaiting, self._awaiting = time.monotonic(), max(self.held(), default=0), self._awaiting, []
+            for until, version, frames in awaiting:
+                if until > now and self._newer_than_held(version, newest):
+                    self._awaiting.append((until, version, frames))
                     continue
                 try:
                     self._on_request(frames, waited=True)
