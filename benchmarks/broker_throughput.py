@@ -3,22 +3,26 @@
 P producer processes PUT trajectories of 1024 response tokens (int32 ids and
 float32 logprobs plus a 128-token prompt, ~8.8 KB as msgpack) through a real
 broker process (SQLite WAL metadata, append-only payload segments,
-fdatasync per group commit) to a consumer that FETCHes and COMMITs. Then the
-same producers push the same messages over a bare PUSH/PULL pair: the ceiling.
+fdatasync per group commit) to a consumer that FETCHes and COMMITs a batch
+of 64 groups a step (each producer's groups labelled in explorer batches of
+64, as an explorer's tasks come). Then the same producers push the same
+messages over a bare PUSH/PULL pair: the ceiling.
 
 A second case stores large trajectories (256 KB of opaque payload each,
 `--large-kb`) and compares the broker's durable MB/s with this disk's own
-sequential write rate with one fdatasync per write (the better of writes the
-size of one PUT and of every PUT in flight at once: the largest group commit),
-measured in the same run in the same directory, and with the same messages
-relayed by a bare ZeroMQ process (PULL to PUSH, nothing stored): the two
-socket hops every trajectory makes through the broker, on the same cores.
+sequential write rate with one fdatasync per write (the best of buffered
+writes and O_DIRECT ones, as the broker makes, the size of one PUT and of
+every PUT in flight at once: the largest group commit), measured in the same
+run in the same directory, and with the same messages relayed by a bare
+ZeroMQ process (PULL to PUSH, nothing stored): the two socket hops every
+trajectory makes through the broker, on the same cores.
 
     python benchmarks/broker_throughput.py [--quick] [--producers P]
 
 The last line printed is one JSON object: broker_traj_per_s,
 raw_zmq_traj_per_s, ratio, ratio_to_per_message, p50_ack_ms, p99_ack_ms,
-large_mb_per_s, disk_fdatasync_mb_per_s, large_ratio_to_disk,
+large_mb_per_s, disk_fdatasync_mb_per_s (the best of disk_buffered_mb_per_s
+and disk_direct_mb_per_s), large_ratio_to_disk,
 large_relay_mb_per_s, large_ratio_to_relay, put_decode_us and
 put_decode_general_us (one PUT header decoded and validated by the broker's
 one-pass path and by the general path alone, timed in this process), the CPU
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import multiprocessing as mp
 import os
 import sys
@@ -45,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.harness import broker_process, cpu_seconds  # noqa: E402
 
 GROUP = 8  # samples per group (repeat)
+BATCH_GROUPS = 64  # groups of one explorer batch (data.batch_tasks), as many as the consumer FETCHes a step
 
 
 @dataclass
@@ -67,7 +73,8 @@ def make_batch(producer: int, first_group: int, groups: int, payload: bytes) -> 
         gid = f"p{producer}-g{g}"
         for i in range(GROUP):
             items.append(({"id": f"{gid}.{i}", "group_id": gid, "task_id": gid, "group_size": GROUP,
-                           "batch_index": g, "policy_version": 0, "reward": float(i % 2), "n_tokens": 1024}, payload))
+                           "batch_index": g // BATCH_GROUPS, "policy_version": 0, "reward": float(i % 2),
+                           "n_tokens": 1024}, payload))
     return items
 
 
@@ -241,7 +248,8 @@ def bench_broker(args, data_dir: Path) -> Run:
         def consume(total: int) -> None:  # the broker's CPU is counted over the same span as the consumer's
             cpu_before, cpu, got, step = cpu_seconds(pid), time.process_time(), 0, 0
             while got < total:
-                reply = trainer.request(P.FETCH, {"step": step, "max_groups": 64, "wait_ms": 200}, timeout=60)
+                fetch = {"step": step, "max_groups": BATCH_GROUPS, "wait_ms": 200}
+                reply = trainer.request(P.FETCH, fetch, timeout=60)
                 if reply.command == P.BATCH:
                     got += sum(len(g["trajectories"]) for g in reply.header["groups"])
                     trainer.request(P.COMMIT, {"step": step}, timeout=60)
@@ -277,11 +285,19 @@ def decode_us(per_put: int, repeat: int) -> tuple[float, float]:
     return out[0], out[1]
 
 
-def disk_fdatasync_mb_per_s(directory: Path, write_bytes: int, total_bytes: int) -> float:
-    """This disk's sequential write rate with one fdatasync per write of `write_bytes`, as a group commit does."""
+def disk_fdatasync_mb_per_s(directory: Path, write_bytes: int, total_bytes: int, direct: bool = False) -> float:
+    """This disk's sequential write rate with one fdatasync per write of `write_bytes`, as a group commit does;
+    `direct`: through O_DIRECT, as the broker writes (0.0 where the filesystem refuses it)."""
     block = sample_payload(max(1, write_bytes >> 10))
+    if direct:  # O_DIRECT takes page-aligned memory
+        aligned = mmap.mmap(-1, len(block))
+        aligned[:] = block
+        block = aligned
     path = directory / "disk-baseline.bin"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0), 0o644)
+    except OSError:
+        return 0.0
     try:
         start, offset = time.perf_counter(), 0
         while offset < total_bytes:
@@ -289,6 +305,8 @@ def disk_fdatasync_mb_per_s(directory: Path, write_bytes: int, total_bytes: int)
             os.fdatasync(fd)
             offset += len(block)
         elapsed = time.perf_counter() - start
+    except OSError:
+        return 0.0
     finally:
         os.close(fd)
         path.unlink()
@@ -304,13 +322,14 @@ def bench_large(args, data_dir: Path) -> dict:
     big.per_producer = (16 if args.smoke else 800 if args.quick else 4000) // big.per_put * big.per_put
     put_bytes = big.per_put * (big.large_kb << 10)
     total = big.per_producer * big.producers * (big.large_kb << 10)
-    # The disk at the size of one PUT and at the most one group commit can take (every PUT in flight):
-    # the better of the two is the baseline.
-    sizes = (put_bytes, put_bytes * big.window * big.producers)
-    rates = [disk_fdatasync_mb_per_s(data_dir, size, total) for size in sizes]
-    disk = max(rates)
+    # The disk at the size of one PUT and at the most one group commit can take (every PUT in flight), buffered
+    # and direct: the best of the four is the baseline.
+    rates = {(size, direct): disk_fdatasync_mb_per_s(data_dir, size, total, direct)
+             for direct in (False, True) for size in (put_bytes, put_bytes * big.window * big.producers)}
+    disk = max(rates.values())
     print("disk, sequential writes with fdatasync each: " + ", ".join(
-        f"{size >> 20} MB writes {rate:,.1f} MB/s" for size, rate in zip(sizes, rates)), flush=True)
+        f"{size >> 20} MB {'direct' if direct else 'buffered'} {rate:,.1f} MB/s"
+        for (size, direct), rate in rates.items()), flush=True)
     n = big.per_producer * big.producers
     raw_run = bench_raw(big)
     raw = raw_run.rate * (big.large_kb << 10) / 1e6
@@ -327,7 +346,10 @@ def bench_large(args, data_dir: Path) -> dict:
           f"({mb / disk:.2f} of the disk, {mb / relayed:.2f} of the relay; CPU s per 10k: {run.cpu_line(n)})",
           flush=True)
     return {"large_kb": big.large_kb, "large_traj_per_s": round(rate, 1), "large_mb_per_s": round(mb, 1),
-            "disk_fdatasync_mb_per_s": round(disk, 1), "large_ratio_to_disk": round(mb / disk, 3),
+            "disk_fdatasync_mb_per_s": round(disk, 1),
+            "disk_buffered_mb_per_s": round(max(r for (_, d), r in rates.items() if not d), 1),
+            "disk_direct_mb_per_s": round(max(r for (_, d), r in rates.items() if d), 1),
+            "large_ratio_to_disk": round(mb / disk, 3),
             "large_raw_zmq_mb_per_s": round(raw, 1), "large_ratio_to_raw_zmq": round(mb / raw, 3),
             "large_relay_mb_per_s": round(relayed, 1), "large_ratio_to_relay": round(mb / relayed, 3)}
 

@@ -9,6 +9,7 @@ broker stores without decoding.
 
 from __future__ import annotations
 
+import itertools
 import re
 import reprlib
 from dataclasses import dataclass, field
@@ -246,18 +247,28 @@ def split_payloads(metas: list[dict[str, Any]], frames: bytes | memoryview | lis
 
     `frames` is one payload frame or the list of a message's payload frames
     (a BATCH may send its payloads in several frames; their concatenation is
-    what counts).
+    what counts). A payload within one frame is a view of it; one that spans
+    frames is joined.
     """
-    if isinstance(frames, list):
-        frames = frames[0] if len(frames) == 1 else b"".join(frames)
-    view = memoryview(frames)
-    out, offset = [], 0
+    parts = [memoryview(f) for f in (frames if isinstance(frames, list) else [frames])] or [memoryview(b"")]
+    starts = list(itertools.accumulate((p.nbytes for p in parts), initial=0))  # where each frame starts; the end
+    total = sum(meta["payload_bytes"] for meta in metas)
+    if total != starts[-1]:
+        raise ProtocolError("bad_field", f"payload_bytes add up to {total}, frame has {starts[-1]} bytes")
+    out, offset, k = [], 0, 0
     for meta in metas:
-        n = meta["payload_bytes"]
-        out.append(view[offset:offset + n])
-        offset += n
-    if offset != len(view):
-        raise ProtocolError("bad_field", f"payload_bytes add up to {offset}, frame has {len(view)} bytes")
+        end = offset + meta["payload_bytes"]
+        while k < len(parts) - 1 and starts[k + 1] <= offset:
+            k += 1  # the frame this payload starts in
+        if end <= starts[k + 1]:
+            out.append(parts[k][offset - starts[k]:end - starts[k]])
+        else:
+            pieces, j = [], k
+            while starts[j] < end:
+                pieces.append(parts[j][max(offset, starts[j]) - starts[j]:min(end, starts[j + 1]) - starts[j]])
+                j += 1
+            out.append(memoryview(b"".join(pieces)))
+        offset = end
     return out
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgpack
 import numpy as np
 import pytest
+from hypothesis import given, strategies as st
 
 from rlbus.common import messages as M, protocol as P
 from rlbus.common.trajectory import decode_payload, encode_payload
@@ -24,6 +25,17 @@ def test_join_and_split_payloads():
     assert [bytes(v) for v in P.split_payloads(metas, [b"x", b"xyy", b"y"])] == [b"xx", b"yyy"]
     with pytest.raises(P.ProtocolError):
         P.split_payloads(metas, b"too long")
+
+
+@given(st.lists(st.binary(max_size=12), max_size=8), st.data())
+def test_payloads_split_from_frames_cut_anywhere_are_the_payloads_and_whole_frames_are_not_copied(payloads, data):
+    metas = [{"id": str(i)} for i in range(len(payloads))]
+    joined = P.join_payloads(metas, payloads)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(joined)), max_size=4)))
+    frames = [joined[a:b] for a, b in zip([0, *cuts], [*cuts, len(joined)])]
+    assert [bytes(v) for v in P.split_payloads(metas, frames)] == payloads
+    whole = [bytes(p) for p in payloads]  # one frame a payload: every payload a view of its frame
+    assert all(v.obj is w for v, w in zip(P.split_payloads(metas, whole), whole, strict=True) if w)
 
 
 @pytest.mark.parametrize("header,field", [
