@@ -8,6 +8,7 @@ PromQL rates give the flows: ingest is `rate(rlbus_broker_trajectories_total{sta
 from __future__ import annotations
 
 import bisect
+from collections import Counter
 from typing import Any, Iterator
 
 from rlbus.common.telemetry import SECONDS, STALENESS, start
@@ -41,11 +42,11 @@ class BufferStats:
         self.delivered_batches = 0
 
     def delivered(self, step: int, groups: list) -> None:
+        versions = Counter(traj.policy_version for group in groups for traj in group.trajs)
         self.delivered_batches += 1
-        for group in groups:
-            for traj in group.trajs:
-                self.delivered_trajectories += 1
-                self.staleness.observe(step - traj.policy_version)
+        self.delivered_trajectories += versions.total()
+        for version, n in versions.items():
+            self.staleness.observe(step - version, n)
 
 
 class BrokerCollector:
