@@ -21,6 +21,9 @@ trajectory makes through the broker, on the same cores.
 
 The last line printed is one JSON object: broker_traj_per_s,
 raw_zmq_traj_per_s, ratio, ratio_to_per_message, p50_ack_ms, p99_ack_ms,
+producers_done_s and consumer_done_s (when the producers had their last
+ACK and when the consumer had the last trajectory: a gap is a consumer
+that fell behind),
 large_mb_per_s, disk_fdatasync_mb_per_s (the best of disk_buffered_mb_per_s
 and disk_direct_mb_per_s), large_ratio_to_disk,
 large_relay_mb_per_s, large_ratio_to_relay, put_decode_us and
@@ -60,6 +63,8 @@ class Run:
     rate: float
     latencies: list[float] = field(default_factory=list)
     cpu: dict[str, float] = field(default_factory=dict)  # producers, broker, consumer
+    producers_done_s: float = 0.0  # when the last producer had its last ACK (the consumer may still be taking)
+    consumer_done_s: float = 0.0
 
     def cpu_line(self, trajectories: int) -> str:
         """CPU seconds per 10,000 trajectories, by side: where a 2-core machine's time goes."""
@@ -123,6 +128,7 @@ def producer(mode: str, address: str, index: int, n_traj: int, per_put: int, win
                     push.send_multipart([P.pack(meta), payload], copy=False)
         push.close(linger=-1)
         ctx.term()
+        done = time.perf_counter()
     else:
         from rlbus.common.client import BrokerClient
 
@@ -141,13 +147,14 @@ def producer(mode: str, address: str, index: int, n_traj: int, per_put: int, win
                 inflight.pop(0).result(120)
         for fut in inflight:
             fut.result(120)
+        done = time.perf_counter()  # CLOCK_MONOTONIC: the parent's clock too
         client.close()
-    results.put((index, latencies, time.process_time() - cpu))
+    results.put((index, latencies, time.process_time() - cpu, done))
 
 
-def run_producers(mode: str, address: str, args, consume) -> tuple[float, list[float], float]:
-    """(seconds, PUT-to-ACK latencies, the producers' CPU seconds) of one case; the caller's `consume`
-    takes every trajectory."""
+def run_producers(mode: str, address: str, args, consume) -> tuple[float, list[float], float, float]:
+    """(seconds, PUT-to-ACK latencies, the producers' CPU seconds, seconds until the last producer was done) of
+    one case; the caller's `consume` takes every trajectory."""
     ctx = mp.get_context("spawn")
     ready, results, go = ctx.Queue(), ctx.Queue(), ctx.Event()
     procs = [ctx.Process(target=producer, args=(mode, address, i, args.per_producer, args.per_put, args.window,
@@ -161,14 +168,15 @@ def run_producers(mode: str, address: str, args, consume) -> tuple[float, list[f
     consume(args.per_producer * args.producers)
     elapsed = time.perf_counter() - start
     latencies: list[float] = []
-    cpu = 0.0
+    cpu, done = 0.0, 0.0
     for _ in procs:
-        _, lat, used = results.get(timeout=60)
+        _, lat, used, end = results.get(timeout=60)
         latencies.extend(lat)
         cpu += used
+        done = max(done, end - start)
     for p in procs:
         p.join(30)
-    return elapsed, latencies, cpu
+    return elapsed, latencies, cpu, done
 
 
 def relay(messages: int, results) -> None:
@@ -218,7 +226,7 @@ def bench_raw(args, mode: str = "raw", relayed: bool = False) -> Run:
             inbound, outbound = results.get(timeout=60)
             address = f"tcp://127.0.0.1:{inbound}"
             pull.connect(f"tcp://127.0.0.1:{outbound}")
-        elapsed, _, producers = run_producers(mode, address, args, consume)
+        elapsed, _, producers, _ = run_producers(mode, address, args, consume)
         if hop is not None:
             used["relay"] = results.get(timeout=60)
             hop.join(30)
@@ -256,9 +264,10 @@ def bench_broker(args, data_dir: Path) -> Run:
                     step += 1
             used.update(broker=cpu_seconds(pid) - cpu_before, consumer=time.process_time() - cpu)
 
-        elapsed, latencies, producers = run_producers("broker", address, args, consume)
+        elapsed, latencies, producers, done = run_producers("broker", address, args, consume)
         trainer.close()
-        return Run(args.per_producer * args.producers / elapsed, latencies, {"producers": producers, **used})
+        return Run(args.per_producer * args.producers / elapsed, latencies, {"producers": producers, **used}, done,
+                   elapsed)
 
 
 def decode_us(per_put: int, repeat: int) -> tuple[float, float]:
@@ -386,7 +395,8 @@ def main() -> None:
     p50 = lat[len(lat) // 2] * 1000 if lat else float("nan")
     p99 = lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1000 if lat else float("nan")
     print(f"durable broker: {rate:,.0f} traj/s (fsync={args.fsync}), ACK p50 {p50:.1f} ms, p99 {p99:.1f} ms "
-          f"(CPU s per 10k: {run.cpu_line(n)})", flush=True)
+          f"(CPU s per 10k: {run.cpu_line(n)}); the producers were done after {run.producers_done_s:.3f} s, "
+          f"the consumer after {run.consumer_done_s:.3f} s", flush=True)
     one_pass, general = decode_us(args.per_put, 1 if args.smoke else 7)
     print(f"PUT header of {args.per_put} trajectories, decoded and validated: {one_pass:.1f} us in one pass, "
           f"{general:.1f} us by the general path ({one_pass / general:.2f} of it)", flush=True)
@@ -395,7 +405,8 @@ def main() -> None:
     print(json.dumps({"broker_traj_per_s": round(rate), "raw_zmq_traj_per_s": round(raw),
                       "ratio": round(rate / raw, 3), "raw_zmq_per_message_traj_per_s": round(raw1),
                       "ratio_to_per_message": round(rate / raw1, 3), "p50_ack_ms": round(p50, 2),
-                      "p99_ack_ms": round(p99, 2),
+                      "p99_ack_ms": round(p99, 2), "producers_done_s": round(run.producers_done_s, 3),
+                      "consumer_done_s": round(run.consumer_done_s, 3),
                       "producers": args.producers, "per_put": args.per_put, "fsync": args.fsync,
                       "trajectories": n, "put_decode_us": round(one_pass, 1),
                       "put_decode_general_us": round(general, 1), **cpu, **large}))
