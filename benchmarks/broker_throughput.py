@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import multiprocessing as mp
 import os
 import sys
@@ -50,7 +49,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.harness import broker_process, cpu_seconds  # noqa: E402
+from benchmarks.harness import broker_process, cpu_seconds, disk_fdatasync_mb_per_s  # noqa: E402
 
 GROUP = 8  # samples per group (repeat)
 BATCH_GROUPS = 64  # groups of one explorer batch (data.batch_tasks), as many as the consumer FETCHes a step
@@ -294,34 +293,6 @@ def decode_us(per_put: int, repeat: int) -> tuple[float, float]:
     return out[0], out[1]
 
 
-def disk_fdatasync_mb_per_s(directory: Path, write_bytes: int, total_bytes: int, direct: bool = False) -> float:
-    """This disk's sequential write rate with one fdatasync per write of `write_bytes`, as a group commit does;
-    `direct`: through O_DIRECT, as the broker writes (0.0 where the filesystem refuses it)."""
-    block = sample_payload(max(1, write_bytes >> 10))
-    if direct:  # O_DIRECT takes page-aligned memory
-        aligned = mmap.mmap(-1, len(block))
-        aligned[:] = block
-        block = aligned
-    path = directory / "disk-baseline.bin"
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0), 0o644)
-    except OSError:
-        return 0.0
-    try:
-        start, offset = time.perf_counter(), 0
-        while offset < total_bytes:
-            os.pwrite(fd, block, offset)
-            os.fdatasync(fd)
-            offset += len(block)
-        elapsed = time.perf_counter() - start
-    except OSError:
-        return 0.0
-    finally:
-        os.close(fd)
-        path.unlink()
-    return offset / elapsed / 1e6
-
-
 def bench_large(args, data_dir: Path) -> dict:
     """Large trajectories through the broker, beside the disk's own fdatasync'd write rate."""
     import copy
@@ -333,7 +304,7 @@ def bench_large(args, data_dir: Path) -> dict:
     total = big.per_producer * big.producers * (big.large_kb << 10)
     # The disk at the size of one PUT and at the most one group commit can take (every PUT in flight), buffered
     # and direct: the best of the four is the baseline.
-    rates = {(size, direct): disk_fdatasync_mb_per_s(data_dir, size, total, direct)
+    rates = {(size, direct): disk_fdatasync_mb_per_s(data_dir, sample_payload(max(1, size >> 10)), total, direct)
              for direct in (False, True) for size in (put_bytes, put_bytes * big.window * big.producers)}
     disk = max(rates.values())
     print("disk, sequential writes with fdatasync each: " + ", ".join(

@@ -1,12 +1,14 @@
-"""What every benchmark needs: a real broker process for the run, on ports it binds itself, and the CPU time of
-processes and their threads (Linux /proc)."""
+"""What every benchmark needs: a real broker process for the run, on ports it binds itself, the CPU time of
+processes and their threads (Linux /proc), and this disk's rate of fdatasync'd writes."""
 
 from __future__ import annotations
 
+import mmap
 import os
 import signal
 import subprocess
 import sys
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -82,3 +84,30 @@ def thread_cpu(pid: int) -> tuple[dict[int, float], float]:
         return threads, stat_cpu(Path(f"/proc/{pid}/stat"))[1]
     except (FileNotFoundError, ProcessLookupError):
         return threads, 0.0
+
+
+def disk_fdatasync_mb_per_s(directory: Path, block: bytes, total_bytes: int, direct: bool = False) -> float:
+    """This disk's sequential write rate, writing `block` again and again with one fdatasync after each, as a
+    group commit does; `direct`: through O_DIRECT (0.0 where the filesystem refuses it)."""
+    if direct:  # O_DIRECT takes page-aligned memory
+        aligned = mmap.mmap(-1, len(block))
+        aligned[:] = block
+        block = aligned
+    path = directory / "disk-baseline.bin"
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0), 0o644)
+    except OSError:
+        return 0.0
+    try:
+        start, offset = time.perf_counter(), 0
+        while offset < total_bytes:
+            os.pwrite(fd, block, offset)
+            os.fdatasync(fd)
+            offset += len(block)
+        elapsed = time.perf_counter() - start
+    except OSError:
+        return 0.0
+    finally:
+        os.close(fd)
+        path.unlink()
+    return offset / elapsed / 1e6
