@@ -9,7 +9,8 @@ of 64 groups a step (each producer's groups labelled in explorer batches of
 messages over a bare PUSH/PULL pair: the ceiling.
 
 A second case stores large trajectories (256 KB of opaque payload each,
-`--large-kb`) and compares the broker's durable MB/s with this disk's own
+`--large-kb`), once with nothing fetched meanwhile (the rate of ACKs, each
+durable) and once to a consumer, and compares the MB/s with this disk's own
 sequential write rate with one fdatasync per write (the best of buffered
 writes and O_DIRECT ones, as the broker makes, the size of one PUT and of
 every PUT in flight at once: the largest group commit), measured in the same
@@ -23,9 +24,9 @@ The last line printed is one JSON object: broker_traj_per_s,
 raw_zmq_traj_per_s, ratio, ratio_to_per_message, p50_ack_ms, p99_ack_ms,
 producers_done_s and consumer_done_s (when the producers had their last
 ACK and when the consumer had the last trajectory: a gap is a consumer
-that fell behind),
-large_mb_per_s, disk_fdatasync_mb_per_s (the best of disk_buffered_mb_per_s
-and disk_direct_mb_per_s), large_ratio_to_disk,
+that fell behind), large_ingest_mb_per_s, large_mb_per_s (to a consumer),
+disk_fdatasync_mb_per_s (the best of disk_buffered_mb_per_s and
+disk_direct_mb_per_s), large_ingest_ratio_to_disk, large_ratio_to_disk,
 large_relay_mb_per_s, large_ratio_to_relay, put_decode_us and
 put_decode_general_us (one PUT header decoded and validated by the broker's
 one-pass path and by the general path alone, timed in this process), the CPU
@@ -156,8 +157,10 @@ def run_producers(mode: str, address: str, args, consume) -> tuple[float, list[f
     one case; the caller's `consume` takes every trajectory."""
     ctx = mp.get_context("spawn")
     ready, results, go = ctx.Queue(), ctx.Queue(), ctx.Event()
+    # Daemons: a case that fails midway ends this process, and its producers with it (not left waiting for ACKs).
     procs = [ctx.Process(target=producer, args=(mode, address, i, args.per_producer, args.per_put, args.window,
-                                                args.large_kb, ready, go, results)) for i in range(args.producers)]
+                                                args.large_kb, ready, go, results), daemon=True)
+             for i in range(args.producers)]
     for p in procs:
         p.start()
     for _ in procs:
@@ -171,8 +174,7 @@ def run_producers(mode: str, address: str, args, consume) -> tuple[float, list[f
     for _ in procs:
         _, lat, used, end = results.get(timeout=60)
         latencies.extend(lat)
-        cpu += used
-        done = max(done, end - start)
+        cpu, done = cpu + used, max(done, end - start)
     for p in procs:
         p.join(30)
     return elapsed, latencies, cpu, done
@@ -238,7 +240,9 @@ def bench_raw(args, mode: str = "raw", relayed: bool = False) -> Run:
     return Run(args.per_producer * args.producers / elapsed, [], {"producers": producers, **used})
 
 
-def bench_broker(args, data_dir: Path) -> Run:
+def bench_broker(args, data_dir: Path, fetch: bool = True) -> Run:
+    """Producers PUT through a real broker; `fetch`: a consumer FETCHes and COMMITs meanwhile, and the rate
+    is taken when it has every trajectory; else none does, and the rate is taken at the last ACK."""
     from rlbus.common import protocol as P
     from rlbus.common.client import BrokerClient
 
@@ -252,20 +256,23 @@ def bench_broker(args, data_dir: Path) -> Run:
 
         used: dict[str, float] = {}
 
-        def consume(total: int) -> None:  # the broker's CPU is counted over the same span as the consumer's
-            cpu_before, cpu, got, step = cpu_seconds(pid), time.process_time(), 0, 0
-            while got < total:
-                fetch = {"step": step, "max_groups": BATCH_GROUPS, "wait_ms": 200}
-                reply = trainer.request(P.FETCH, fetch, timeout=60)
+        def consume(total: int) -> None:
+            cpu, got, step = time.process_time(), 0, 0
+            while fetch and got < total:
+                request = {"step": step, "max_groups": BATCH_GROUPS, "wait_ms": 200}
+                reply = trainer.request(P.FETCH, request, timeout=60)
                 if reply.command == P.BATCH:
                     got += sum(len(g["trajectories"]) for g in reply.header["groups"])
                     trainer.request(P.COMMIT, {"step": step}, timeout=60)
                     step += 1
-            used.update(broker=cpu_seconds(pid) - cpu_before, consumer=time.process_time() - cpu)
+            if fetch:
+                used["consumer"] = time.process_time() - cpu
 
+        cpu_before = cpu_seconds(pid)
         elapsed, latencies, producers, done = run_producers("broker", address, args, consume)
+        used = {"producers": producers, "broker": cpu_seconds(pid) - cpu_before, **used}
         trainer.close()
-        return Run(args.per_producer * args.producers / elapsed, latencies, {"producers": producers, **used}, done,
+        return Run(args.per_producer * args.producers / (elapsed if fetch else done), latencies, used, done,
                    elapsed)
 
 
@@ -299,7 +306,7 @@ def bench_large(args, data_dir: Path) -> dict:
 
     big = copy.copy(args)
     big.large_kb, big.per_put, big.window = args.large_kb_case, 8, 4
-    big.per_producer = (16 if args.smoke else 800 if args.quick else 4000) // big.per_put * big.per_put
+    big.per_producer = (16 if args.smoke else 2400 if args.quick else 8000) // big.per_put * big.per_put
     put_bytes = big.per_put * (big.large_kb << 10)
     total = big.per_producer * big.producers * (big.large_kb << 10)
     # The disk at the size of one PUT and at the most one group commit can take (every PUT in flight), buffered
@@ -319,17 +326,23 @@ def bench_large(args, data_dir: Path) -> dict:
     relayed = relay_run.rate * (big.large_kb << 10) / 1e6
     print(f"raw zmq through a relay process (two hops, nothing stored): {relayed:,.1f} MB/s "
           f"(CPU s per 10k: {relay_run.cpu_line(n)})", flush=True)
+    ingest_run = bench_broker(big, data_dir / "ingest", fetch=False)
+    ingest = ingest_run.rate * (big.large_kb << 10) / 1e6
+    print(f"durable broker, {big.large_kb} KB trajectories, nothing fetched meanwhile: {ingest:,.1f} MB/s ACKed "
+          f"({ingest / disk:.2f} of the disk, {ingest / raw:.2f} of one raw hop; CPU s per 10k: "
+          f"{ingest_run.cpu_line(n)})", flush=True)
     run = bench_broker(big, data_dir / "large")
     rate = run.rate
     mb = rate * (big.large_kb << 10) / 1e6
-    print(f"durable broker, {big.large_kb} KB trajectories: {rate:,.1f} traj/s = {mb:,.1f} MB/s "
+    print(f"durable broker, {big.large_kb} KB trajectories, to a consumer: {rate:,.1f} traj/s = {mb:,.1f} MB/s "
           f"({mb / disk:.2f} of the disk, {mb / relayed:.2f} of the relay; CPU s per 10k: {run.cpu_line(n)})",
           flush=True)
     return {"large_kb": big.large_kb, "large_traj_per_s": round(rate, 1), "large_mb_per_s": round(mb, 1),
             "disk_fdatasync_mb_per_s": round(disk, 1),
             "disk_buffered_mb_per_s": round(max(r for (_, d), r in rates.items() if not d), 1),
             "disk_direct_mb_per_s": round(max(r for (_, d), r in rates.items() if d), 1),
-            "large_ratio_to_disk": round(mb / disk, 3),
+            "large_ratio_to_disk": round(mb / disk, 3), "large_ingest_mb_per_s": round(ingest, 1),
+            "large_ingest_ratio_to_disk": round(ingest / disk, 3),
             "large_raw_zmq_mb_per_s": round(raw, 1), "large_ratio_to_raw_zmq": round(mb / raw, 3),
             "large_relay_mb_per_s": round(relayed, 1), "large_ratio_to_relay": round(mb / relayed, 3)}
 
