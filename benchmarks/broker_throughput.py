@@ -3,10 +3,11 @@
 P producer processes PUT trajectories of 1024 response tokens (int32 ids and
 float32 logprobs plus a 128-token prompt, ~8.8 KB as msgpack) through a real
 broker process (SQLite WAL metadata, append-only payload segments,
-fdatasync per group commit) to a consumer that FETCHes and COMMITs a batch
-of 64 groups a step (each producer's groups labelled in explorer batches of
-64, as an explorer's tasks come). Then the same producers push the same
-messages over a bare PUSH/PULL pair: the ceiling.
+fdatasync per group commit) to a consumer that FETCHes a batch of 64
+groups a step and COMMITs every 10 steps, as a trainer with its default
+`checkpoint_every` does (each producer's groups labelled in explorer
+batches of 64, as an explorer's tasks come). Then the same producers push
+the same messages over a bare PUSH/PULL pair: the ceiling.
 
 A second case stores large trajectories (256 KB of opaque payload each,
 `--large-kb`), once with nothing fetched meanwhile (the rate of ACKs, each
@@ -73,14 +74,10 @@ class Run:
 
 
 def make_batch(producer: int, first_group: int, groups: int, payload: bytes) -> list[tuple[dict, bytes]]:
-    items = []
-    for g in range(first_group, first_group + groups):
-        gid = f"p{producer}-g{g}"
-        for i in range(GROUP):
-            items.append(({"id": f"{gid}.{i}", "group_id": gid, "task_id": gid, "group_size": GROUP,
-                           "batch_index": g // BATCH_GROUPS, "policy_version": 0, "reward": float(i % 2),
-                           "n_tokens": 1024}, payload))
-    return items
+    gids = {g: f"p{producer}-g{g}" for g in range(first_group, first_group + groups)}
+    return [({"id": f"{gid}.{i}", "group_id": gid, "task_id": gid, "group_size": GROUP,
+              "batch_index": g // BATCH_GROUPS, "policy_version": 0, "reward": float(i % 2), "n_tokens": 1024}, payload)
+            for g, gid in gids.items() for i in range(GROUP)]
 
 
 def sample_payload(large_kb: int = 0) -> bytes:
@@ -246,9 +243,8 @@ def bench_broker(args, data_dir: Path, fetch: bool = True) -> Run:
     from rlbus.common import protocol as P
     from rlbus.common.client import BrokerClient
 
-    sets = [f"buffer.dir={data_dir}", f"run.dir={data_dir}",
-            f"buffer.fsync={args.fsync}", "buffer.capacity=1000000", "sync.sync_style=async",
-            "sync.max_staleness=1000000", "logging.level=warning", "logging.format=json"]
+    sets = [f"buffer.dir={data_dir}", f"run.dir={data_dir}", f"buffer.fsync={args.fsync}", "buffer.capacity=1000000",
+            "sync.sync_style=async", "sync.max_staleness=1000000", "logging.level=warning", "logging.format=json"]
     with broker_process(sets, data_dir, args.profile) as broker:
         address, pid = broker.address, broker.proc.pid
         trainer = BrokerClient(address, "trainer", "bench-trainer")
@@ -256,14 +252,15 @@ def bench_broker(args, data_dir: Path, fetch: bool = True) -> Run:
 
         used: dict[str, float] = {}
 
-        def consume(total: int) -> None:
+        def consume(total: int) -> None:  # as the trainer does: a FETCH a step, a COMMIT per checkpoint and at the end
             cpu, got, step = time.process_time(), 0, 0
             while fetch and got < total:
                 request = {"step": step, "max_groups": BATCH_GROUPS, "wait_ms": 200}
                 reply = trainer.request(P.FETCH, request, timeout=60)
                 if reply.command == P.BATCH:
                     got += sum(len(g["trajectories"]) for g in reply.header["groups"])
-                    trainer.request(P.COMMIT, {"step": step}, timeout=60)
+                    if (step + 1) % args.commit_every == 0 or got >= total:
+                        trainer.request(P.COMMIT, {"step": step}, timeout=60)
                     step += 1
             if fetch:
                 used["consumer"] = time.process_time() - cpu
@@ -355,11 +352,13 @@ def main() -> None:
     ap.add_argument("--per-put", type=int, default=64, help="trajectories per PUT message")
     ap.add_argument("--window", type=int, default=8, help="PUTs in flight per producer")
     ap.add_argument("--fsync", choices=["group", "off"], default="group")
+    ap.add_argument("--commit-every", type=int, default=0, help="steps per COMMIT (0: the trainer's checkpoint_every)")
     ap.add_argument("--profile", default="", help="write a cProfile of the broker process to this file")
     ap.add_argument("--large-kb", dest="large_kb_case", type=int, default=256,
                     help="payload of the large-trajectory case, in KB (0: skip that case)")
     args = ap.parse_args()
-    args.large_kb = 0
+    from rlbus.common.sections import TrainerConfig  # here, not at the top: the producers' processes need none of it
+    args.large_kb, args.commit_every = 0, args.commit_every or TrainerConfig().checkpoint_every or 1
     args.per_producer = (4 * args.per_put if args.smoke else 20_000 if args.quick else 100_000) \
         // args.per_put * args.per_put
     n = args.per_producer * args.producers
@@ -392,7 +391,7 @@ def main() -> None:
                       "p99_ack_ms": round(p99, 2), "producers_done_s": round(run.producers_done_s, 3),
                       "consumer_done_s": round(run.consumer_done_s, 3),
                       "producers": args.producers, "per_put": args.per_put, "fsync": args.fsync,
-                      "trajectories": n, "put_decode_us": round(one_pass, 1),
+                      "commit_every": args.commit_every, "trajectories": n, "put_decode_us": round(one_pass, 1),
                       "put_decode_general_us": round(general, 1), **cpu, **large}))
 
 
