@@ -51,7 +51,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.harness import broker_process, cpu_seconds, disk_fdatasync_mb_per_s  # noqa: E402
+from benchmarks.harness import at_least, broker_process, cpu_seconds, disk_fdatasync_mb_per_s  # noqa: E402
 
 GROUP = 8  # samples per group (repeat)
 BATCH_GROUPS = 64  # groups of one explorer batch (data.batch_tasks), as many as the consumer FETCHes a step
@@ -348,13 +348,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a short run (under 40 s)")
     ap.add_argument("--smoke", action="store_true", help="a few PUTs only: checks that the benchmark runs")
-    ap.add_argument("--producers", type=int, default=2)
-    ap.add_argument("--per-put", type=int, default=64, help="trajectories per PUT message")
-    ap.add_argument("--window", type=int, default=8, help="PUTs in flight per producer")
+    ap.add_argument("--producers", type=at_least(1), default=2)
+    ap.add_argument("--per-put", type=at_least(GROUP, GROUP), default=64, help="trajectories per PUT message")
+    ap.add_argument("--window", type=at_least(1), default=8, help="PUTs in flight per producer")
     ap.add_argument("--fsync", choices=["group", "off"], default="group")
-    ap.add_argument("--commit-every", type=int, default=0, help="steps per COMMIT (0: the trainer's checkpoint_every)")
+    ap.add_argument("--commit-every", type=at_least(0), default=0, help="steps per COMMIT (0: as checkpoint_every)")
     ap.add_argument("--profile", default="", help="write a cProfile of the broker process to this file")
-    ap.add_argument("--large-kb", dest="large_kb_case", type=int, default=256,
+    ap.add_argument("--large-kb", dest="large_kb_case", type=at_least(0), default=256,
                     help="payload of the large-trajectory case, in KB (0: skip that case)")
     args = ap.parse_args()
     from rlbus.common.sections import TrainerConfig  # here, not at the top: the producers' processes need none of it

@@ -30,7 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.harness import broker_process  # noqa: E402
+from benchmarks.harness import at_least, broker_process  # noqa: E402
 
 
 def read_files(directory: Path) -> float:
@@ -62,8 +62,8 @@ def decode_step_ms(engine, sequences: tuple[int, ...], max_tokens: int) -> dict[
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batches", type=int, default=12)
-    ap.add_argument("--reload-every", type=int, default=4, help="publish a checkpoint every K batches (0: never)")
+    ap.add_argument("--batches", type=at_least(1), default=12)
+    ap.add_argument("--reload-every", type=at_least(0), default=4, help="a checkpoint every K batches (0: never)")
     ap.add_argument("--model", default="smollm2-135m", help="bundled model name or a model directory")
     ap.add_argument("--smoke", action="store_true", help="2 batches, a load after each: checks that it runs")
     args = ap.parse_args()

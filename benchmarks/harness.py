@@ -1,8 +1,9 @@
 """What every benchmark needs: a real broker process for the run, on ports it binds itself, the CPU time of
-processes and their threads (Linux /proc), and this disk's rate of fdatasync'd writes."""
+processes and their threads (Linux /proc), this disk's rate of fdatasync'd writes, and checked arguments."""
 
 from __future__ import annotations
 
+import argparse
 import mmap
 import os
 import signal
@@ -19,6 +20,21 @@ from rlbus.broker import endpoints
 from rlbus.common.processes import terminate_with
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def at_least(low: int, multiple_of: int = 1):
+    """An argparse type: a whole number of at least `low` (and a multiple of `multiple_of`), or a usage error
+    that says so, rather than a run that divides by zero or waits for ever for work it never made."""
+
+    def parse(text: str) -> int:
+        value = int(text)  # not a number: argparse says "invalid int value"
+        if value < low or value % multiple_of:
+            every = f" and a multiple of {multiple_of}" if multiple_of > 1 else ""
+            raise argparse.ArgumentTypeError(f"must be {low} or more{every}, not {value}")
+        return value
+
+    parse.__name__ = "int"
+    return parse
 
 
 @dataclass

@@ -39,7 +39,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.harness import REPO  # noqa: E402
+from benchmarks.harness import REPO, at_least  # noqa: E402
 from rlbus.logview import events  # noqa: E402
 
 TARGET_TRAIN_S, REACH, HOLD, FINAL = 330.0, 0.90, 0.90, 0.93
@@ -109,8 +109,8 @@ def run_seed(config: str, seed: int, sets: list[str], root: Path) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seeds", type=int, default=3, help="how many seeds: first-seed .. first-seed + N - 1")
-    ap.add_argument("--first-seed", type=int, default=0, help="the first seed (default 0)")
+    ap.add_argument("--seeds", type=at_least(1), default=3, help="how many seeds: first-seed .. first-seed + N - 1")
+    ap.add_argument("--first-seed", type=at_least(0), default=0, help="the first seed (default 0)")
     ap.add_argument("--config", default=str(REPO / "configs" / "arith.yaml"))
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                     help="config override for every seed (repeatable)")

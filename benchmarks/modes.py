@@ -42,7 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.harness import REPO  # noqa: E402
+from benchmarks.harness import REPO, at_least  # noqa: E402
 from rlbus.logview import events as log_events  # noqa: E402
 
 MODES = ["synchronous", "one_step_off_policy", "fully_async", "multi_explorer_async"]
@@ -133,8 +133,8 @@ def expired_share(run_dir: Path) -> float | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="6 steps per mode (under 10 minutes here)")
-    parser.add_argument("--steps", type=int, default=0, help="steps per mode (default 20; 6 with --quick)")
-    parser.add_argument("--warmup", type=int, default=2, help="steps dropped from each run's figures")
+    parser.add_argument("--steps", type=at_least(0), default=0, help="steps per mode (default 20; 6 with --quick)")
+    parser.add_argument("--warmup", type=at_least(0), default=2, help="steps dropped from each run's figures")
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--keep", action="store_true", help="keep the run directories (printed)")

@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.harness import REPO, broker_process  # noqa: E402
+from benchmarks.harness import REPO, at_least, broker_process  # noqa: E402
 
 PROGRAM = "def double(x):\n    return 2 * x\n"
 TEST = "assert double(21) == 42"
@@ -113,9 +113,9 @@ def bench_rm(pairs: int, batch: int) -> tuple[float, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--execs", type=int, default=60)
-    ap.add_argument("--pairs", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--execs", type=at_least(1), default=60)
+    ap.add_argument("--pairs", type=at_least(1), default=128)
+    ap.add_argument("--batch", type=at_least(1), default=16)
     ap.add_argument("--smoke", action="store_true", help="a few of each: checks that the benchmark runs")
     args = ap.parse_args()
     if args.smoke:

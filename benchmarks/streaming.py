@@ -55,7 +55,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.harness import REPO, bound_ports  # noqa: E402
+from benchmarks.harness import REPO, at_least, bound_ports  # noqa: E402
 from benchmarks.modes import explorer_figures, measure, run_mode  # noqa: E402
 
 WORKLOADS = {
@@ -168,13 +168,13 @@ def measure_paced(run_dir: Path, steps_at: list[float], staleness: list[int], pe
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--trainer", choices=["paced", "real"], default="paced")
-    parser.add_argument("--steps", type=int, default=16, help="steps per run")
-    parser.add_argument("--warmup", type=int, default=3, help="steps dropped from each run's figures")
+    parser.add_argument("--steps", type=at_least(1), default=16, help="steps per run")
+    parser.add_argument("--warmup", type=at_least(0), default=3, help="steps dropped from each run's figures")
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--workloads", default="even,uneven,long", help=f"of {', '.join(WORKLOADS)}")
     parser.add_argument("--modes", default=",".join(MODES), help=f"of {', '.join(MODES)}")
     parser.add_argument("--keep", action="store_true", help="keep the run directories (printed)")
-    parser.add_argument("--explorers", type=int, default=2, help="explorers per run (paced trainer)")
+    parser.add_argument("--explorers", type=at_least(1), default=2, help="explorers per run (paced trainer)")
     parser.add_argument("--smoke", action="store_true",
                         help="3 steps of the even workload, streaming, one explorer: checks that it runs (the "
                              "batch baseline is the same run with another preset)")

@@ -70,7 +70,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.harness import broker_process, thread_cpu  # noqa: E402
+from benchmarks.harness import at_least, broker_process, thread_cpu  # noqa: E402
 
 
 SYSTEM_TOKENS, QUESTION_TOKENS = 30, 14  # the default task's prompt: chat template's system prompt + question
@@ -331,13 +331,13 @@ def summarize(name: str, steps: list[dict], published: list[dict]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--steps", type=at_least(1), default=6)
     ap.add_argument("--model", default="smollm2-135m", help="bundled model name or a model directory")
-    ap.add_argument("--world-size", type=int, default=0,
+    ap.add_argument("--world-size", type=at_least(0), default=0,
                     help="also run `rlbus trainer` at world size 1 and at this many ranks (FSDP2), and compare")
-    ap.add_argument("--serve", type=int, default=0, metavar="N",
+    ap.add_argument("--serve", type=at_least(0), default=0, metavar="N",
                     help="also measure the trainer's step time while N clients fetch every version it publishes")
-    ap.add_argument("--serve-rounds", type=int, default=2, metavar="R",
+    ap.add_argument("--serve-rounds", type=at_least(1), default=2, metavar="R",
                     help="--serve: alternations of the runs without and with clients (default 2)")
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                     help="a config override for every trainer run (e.g. trainer.device=cuda)")

@@ -69,7 +69,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.harness import REPO, broker_process  # noqa: E402
+from benchmarks.harness import REPO, at_least, broker_process  # noqa: E402
 from benchmarks.links import LINK, link, link_mb_s, loopback_mb_s  # noqa: E402
 from rlbus.common.processes import terminate_with  # noqa: E402
 from rlbus.logview import events  # noqa: E402
@@ -210,7 +210,7 @@ def median(values: list[float]) -> float | None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--versions", type=int, default=3, help="versions timed per method and K")
+    ap.add_argument("--versions", type=at_least(1), default=3, help="versions timed per method and K")
     ap.add_argument("--model", default="smollm2-135m", help="bundled model name or a model directory")
     ap.add_argument("--max-k", type=int, default=4, choices=(1, 2, 4), help="explorers at the most")
     ap.add_argument("--lr", type=float, default=1e-5, help="the size of each simulated Adam step")
@@ -251,8 +251,8 @@ def run(args, namespace: str | None) -> None:
     host = LINK[0] if namespace else "127.0.0.1"
     sets = [f"broker.host={host}",
             f"buffer.dir={root / 'buffer'}", f"run.dir={root}", "sync.sync_style=lockstep", "sync.sync_interval=1",
-            "sync.sync_offset=0", "sync.sync_method=nccl", "data.batch_tasks=1", "rollout.repeat=2", "rollout.max_tokens=4",
-            "logging.format=json", f"logging.file={logs / 'broker.jsonl'}"]
+            "sync.sync_offset=0", "sync.sync_method=nccl", "data.batch_tasks=1", "rollout.repeat=2",
+            "rollout.max_tokens=4", "logging.format=json", f"logging.file={logs / 'broker.jsonl'}"]
     cfg = load_config(None, ["sync.sync_method=nccl", "sync.broadcast_backend=gloo", "sync.sync_timeout_s=120"],
                       environ={})
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -299,8 +299,8 @@ def run(args, namespace: str | None) -> None:
                     for _ in range(args.versions):
                         version += 1
                         cpu = server.cpu_s
-                        seconds, after_publish, loads = publish_one(publisher, model, version, trainer, fleet, names, args,
-                                                     hide_path=network)
+                        seconds, after_publish, loads = publish_one(publisher, model, version, trainer, fleet, names,
+                                                                    args, hide_path=network)
                         row[method].append(seconds)
                         row.setdefault(method + "_from_publish", []).append(after_publish)
                         if method == "broadcast":

@@ -5,10 +5,14 @@ A benchmark that crashes at start or hangs at exit would otherwise only be
 found when someone needs its figure. Each runs as a subprocess in its own
 process group, which the test kills if it overruns. They run two at a time
 (each test, while it waits for its own, starts the next as one ends).
+A count a benchmark cannot run with (no producers, PUTs of part groups, a
+negative number of steps) is a usage error at once, not a hang or a crash
+midway.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -211,3 +215,28 @@ def test_a_benchmark_stopped_while_making_its_link_leaves_no_namespace():
     assert tag.startswith("rlws") and "linked" not in out, out
     assert proc.returncode == 128 + signal.SIGTERM
     assert tag not in namespaces()
+
+
+def test_a_count_argument_is_checked_as_it_is_read():
+    from benchmarks.harness import at_least
+
+    per_put = at_least(8, 8)
+    assert per_put("64") == 64
+    for bad in ("60", "0", "-8"):
+        with pytest.raises(argparse.ArgumentTypeError, match="must be 8 or more and a multiple of 8"):
+            per_put(bad)
+    with pytest.raises(ValueError):
+        per_put("sixty")
+    assert at_least(0)("0") == 0
+
+
+@pytest.mark.parametrize("name, argument", [("broker_throughput", ["--per-put", "60"]),
+                                            ("broker_throughput", ["--producers", "0"]),
+                                            ("reward", ["--batch", "0"]), ("trainer", ["--steps", "-1"])])
+def test_a_benchmark_refuses_a_bad_count_at_once_with_a_usage_error(name, argument):
+    """`broker_throughput.py --per-put 60` made PUTs of 7 groups (56 trajectories) while its consumer waited for
+    60 per PUT: it never ended."""
+    proc = subprocess.run([sys.executable, f"benchmarks/{name}.py", *argument], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"argument {argument[0]}: must be" in proc.stderr, proc.stderr[-2000:]
