@@ -254,7 +254,7 @@ def bench_broker(args, data_dir: Path, fetch: bool = True) -> Run:
 
         def consume(total: int) -> None:  # as the trainer does: a FETCH a step, a COMMIT per checkpoint and at the end
             cpu, got, step = time.process_time(), 0, 0
-            while fetch and got < total:
+            while got < total:
                 request = {"step": step, "max_groups": BATCH_GROUPS, "wait_ms": 200}
                 reply = trainer.request(P.FETCH, request, timeout=60)
                 if reply.command == P.BATCH:
@@ -262,11 +262,11 @@ def bench_broker(args, data_dir: Path, fetch: bool = True) -> Run:
                     if (step + 1) % args.commit_every == 0 or got >= total:
                         trainer.request(P.COMMIT, {"step": step}, timeout=60)
                     step += 1
-            if fetch:
-                used["consumer"] = time.process_time() - cpu
+            used["consumer"] = time.process_time() - cpu
 
         cpu_before = cpu_seconds(pid)
-        elapsed, latencies, producers, done = run_producers("broker", address, args, consume)
+        elapsed, latencies, producers, done = run_producers("broker", address, args,
+                                                            consume if fetch else lambda total: None)
         used = {"producers": producers, "broker": cpu_seconds(pid) - cpu_before, **used}
         trainer.close()
         return Run(args.per_producer * args.producers / (elapsed if fetch else done), latencies, used, done,
@@ -308,8 +308,9 @@ def bench_large(args, data_dir: Path) -> dict:
     total = big.per_producer * big.producers * (big.large_kb << 10)
     # The disk at the size of one PUT and at the most one group commit can take (every PUT in flight), buffered
     # and direct: the best of the four is the baseline.
-    rates = {(size, direct): disk_fdatasync_mb_per_s(data_dir, sample_payload(max(1, size >> 10)), total, direct)
-             for direct in (False, True) for size in (put_bytes, put_bytes * big.window * big.producers)}
+    blocks = {size: sample_payload(max(1, size >> 10)) for size in (put_bytes, put_bytes * big.window * big.producers)}
+    rates = {(size, direct): disk_fdatasync_mb_per_s(data_dir, block, total, direct)
+             for direct in (False, True) for size, block in blocks.items()}
     disk = max(rates.values())
     print("disk, sequential writes with fdatasync each: " + ", ".join(
         f"{size >> 20} MB {'direct' if direct else 'buffered'} {rate:,.1f} MB/s"
