@@ -272,9 +272,9 @@ class ExplorerConfig(Section):
     """Greedy accuracy on the held-out set every this many policy versions, and at versions 0 and the last (0: never)."""
     eval_overlap: bool = False
     """Batch at a time: evaluate a version after PUTting the batch rolled out with it, while the trainer trains on that
-    batch, instead of before leasing the batch (where a lockstep run waits for it). For explorers whose engine has a
-    device or cores of its own: on cores a CPU trainer shares, each slows the other many times over (`rlbus up`
-    warns)."""
+    batch, instead of between leasing the batch and rolling it out (where a lockstep run waits for it). For explorers
+    whose engine has a device or cores of its own: on cores a CPU trainer shares, each slows the other many times over
+    (`rlbus up` warns)."""
     receive: Literal["auto", "checkpoint", "fetch"] = "auto"
     """auto: join the broadcast group when the run uses sync_method nccl, else read the announced directory when
     this host can, else fetch from the trainer's weight server; checkpoint: never join a broadcast; fetch: always

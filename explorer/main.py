@@ -3,14 +3,18 @@
 A batch at a time (the default), once per explorer batch:
 
 1. load the newest published weights if they are newer than the engine's
-   (a late joiner so receives the current weights before it generates), and
-   evaluate them on the held-out set when one is due (`explorer.eval_every`);
+   (a late joiner so receives the current weights before it generates);
 2. LEASE tasks with the engine's policy version. WAIT `version` means the
    sync rules need newer weights than these (lockstep): wait, logged with the
    version awaited, until the bus announces them, load them, lease again;
-3. roll the tasks out through the workflow and PUT the groups; the client
+3. with the tasks in hand, evaluate the weights on the held-out set when an
+   evaluation is due (`explorer.eval_every`). It comes after the lease, not
+   before it: in a run whose explorers start together (`WAIT explorers`) the
+   evaluating explorer takes its share of the first tasks as soon as it joins,
+   instead of finding them all leased by the others while it evaluates;
+4. roll the tasks out through the workflow and PUT the groups; the client
    resends until ACKed and holds PUTs while the broker gives no credit.
-   With `explorer.eval_overlap` the evaluation of step 1 comes here instead,
+   With `explorer.eval_overlap` the evaluation of step 3 comes here instead,
    after the PUT, while the trainer trains on the batch.
 
 Streaming (`explorer.streaming`) keeps the engine full instead: it keeps
@@ -219,8 +223,6 @@ class Explorer:
         overlap = self.cfg.explorer.eval_overlap
         while not self.stop_event.is_set() and (max_batches is None or self.batches < max_batches):
             self._load_newest()
-            if not overlap:
-                self.evaluate()
             reply = self._lease(self.cfg.explorer.tasks_per_lease)
             if reply.command == P.DONE:
                 log.info("taskset_done")
@@ -228,6 +230,8 @@ class Explorer:
             if reply.command == P.WAIT:
                 self._on_wait(reply.header)
                 continue
+            if not overlap:  # after the lease: the evaluating explorer is never the last to take tasks
+                self.evaluate()
             leases = reply.header["tasks"]
             started = time.monotonic()
             groups = roll_out(self.engine, leases, leased_at=started, **self._settings())

@@ -136,8 +136,9 @@ def test_lockstep_explorer_waits_for_the_version_it_needs(broker_factory, client
 @pytest.mark.parametrize("overlap", [False, True])
 def test_held_out_evaluation_runs_before_the_batch_or_beside_its_training(broker_factory, clients, engine, tiny_model,
                                                                           overlap):
-    """Lockstep: by default version v is evaluated before batch v is leased (the trainer waits for it); with
-    `explorer.eval_overlap` after batch v is PUT, while the trainer trains on it, still with version v."""
+    """Lockstep: by default version v is evaluated once batch v is leased, before it is rolled out (the trainer
+    waits for it); with `explorer.eval_overlap` after batch v is PUT, while the trainer trains on it, still with
+    version v."""
     b = broker_factory("sync.sync_style=lockstep", "sync.sync_interval=1", "sync.sync_offset=0",
                        "rollout.repeat=4", "rollout.max_tokens=8", "data.batch_tasks=2")
     trainer = clients(b, "trainer", "tr")
@@ -170,6 +171,44 @@ def test_held_out_evaluation_runs_before_the_batch_or_beside_its_training(broker
         ex.stop()
         thread.join(10)
         load_checkpoint(engine, tiny_model, weights_digest(tiny_model), 0)
+
+def test_the_evaluating_explorer_joining_last_still_takes_a_batch_of_the_first_window(broker_factory, clients,
+                                                                                      engine):
+    """Explorers that start together (trainer.wait_for_explorers): the last to join lifts the wait, and the
+    evaluating explorer leases before it evaluates, so another explorer leasing as fast as it may cannot take
+    the whole first staleness window while the evaluation runs (here 2 s; no trainer step opens a new one)."""
+    b = broker_factory("sync.sync_style=async", "sync.max_staleness=1", "trainer.wait_for_explorers=2",
+                       "rollout.repeat=4", "rollout.max_tokens=8", "data.batch_tasks=2")
+    other, stop, taken = clients(b, "explorer", "ex-greedy"), threading.Event(), []
+
+    def lease_all() -> None:
+        while not stop.is_set():
+            reply = other.request(P.LEASE, {"max_tasks": 2, "policy_version": 0})
+            taken.extend(t["batch_index"] for t in reply.header.get("tasks", []))
+            stop.wait(0.3)
+    greedy = threading.Thread(target=lease_all)
+    greedy.start()
+    ex = Explorer(explorer_config(b, "sync.sync_style=async", "explorer.eval_every=1", "data.eval_size=4"), engine,
+                  name="ex-eval")
+    evaluate = ex.evaluate
+
+    def slow(force=False, overlapped=False):
+        time.sleep(2)
+        return evaluate(force, overlapped)
+    ex.evaluate = slow
+    thread = threading.Thread(target=ex.run, kwargs={"max_batches": 1})
+    try:
+        awaited = other.request(P.STATUS, {}).header["explorers_awaited"]
+        assert awaited["waiting"] and awaited["joined"] == ["ex-greedy"] and not taken  # the tasks are held back
+        thread.start()
+        thread.join(40)
+        assert not thread.is_alive() and ex.batches == 1, f"the other explorer took batches {taken}, this one none"
+    finally:
+        stop.set()
+        ex.stop()
+        greedy.join(10)
+        thread.join(10) if thread.ident else None
+
 
 def test_trajectory_metadata_passes_the_broker_schema(engine):
     """What the workflow builds is exactly what PUT validation accepts."""
