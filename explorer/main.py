@@ -290,8 +290,6 @@ class Explorer:
                             or (max_leases is not None and self.batches >= max_leases))
                 if not in_flight_updates and not rollouts.tasks:
                     self._load_newest()  # lockstep: a new version only between batches
-                if not stopping:
-                    self.evaluate()
                 # Counted in samples, not tasks: a group waiting on its slowest sample holds only that one's room.
                 free = (room - self.engine.sequences) // repeat
                 if not stopping and free > 0 and time.monotonic() >= lease_after:
@@ -308,6 +306,8 @@ class Explorer:
                     else:
                         rollouts.add(reply.header["tasks"], time.monotonic())
                         self.batches += 1
+                if not stopping:  # after the lease, as a batch at a time; the tasks in flight advance with it
+                    self.evaluate()
                 if not rollouts.tasks:
                     if stopping:
                         break

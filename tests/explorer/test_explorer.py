@@ -172,11 +172,13 @@ def test_held_out_evaluation_runs_before_the_batch_or_beside_its_training(broker
         thread.join(10)
         load_checkpoint(engine, tiny_model, weights_digest(tiny_model), 0)
 
+@pytest.mark.parametrize("streaming", [False, True])
 def test_the_evaluating_explorer_joining_last_still_takes_a_batch_of_the_first_window(broker_factory, clients,
-                                                                                      engine):
+                                                                                      engine, streaming):
     """Explorers that start together (trainer.wait_for_explorers): the last to join lifts the wait, and the
-    evaluating explorer leases before it evaluates, so another explorer leasing as fast as it may cannot take
-    the whole first staleness window while the evaluation runs (here 2 s; no trainer step opens a new one)."""
+    evaluating explorer leases before it evaluates (a batch at a time or streaming), so another explorer leasing
+    as fast as it may cannot take the whole first staleness window while the evaluation runs (here 2 s; no
+    trainer step opens a new one)."""
     b = broker_factory("sync.sync_style=async", "sync.max_staleness=1", "trainer.wait_for_explorers=2",
                        "rollout.repeat=4", "rollout.max_tokens=8", "data.batch_tasks=2")
     other, stop, taken = clients(b, "explorer", "ex-greedy"), threading.Event(), []
@@ -188,8 +190,8 @@ def test_the_evaluating_explorer_joining_last_still_takes_a_batch_of_the_first_w
             stop.wait(0.3)
     greedy = threading.Thread(target=lease_all)
     greedy.start()
-    ex = Explorer(explorer_config(b, "sync.sync_style=async", "explorer.eval_every=1", "data.eval_size=4"), engine,
-                  name="ex-eval")
+    ex = Explorer(explorer_config(b, "sync.sync_style=async", "explorer.eval_every=1", "data.eval_size=4",
+                                  f"explorer.streaming={str(streaming).lower()}"), engine, name="ex-eval")
     evaluate = ex.evaluate
 
     def slow(force=False, overlapped=False):
@@ -207,7 +209,8 @@ def test_the_evaluating_explorer_joining_last_still_takes_a_batch_of_the_first_w
         stop.set()
         ex.stop()
         greedy.join(10)
-        thread.join(10) if thread.ident else None
+        if thread.ident is not None:
+            thread.join(10)
 
 
 def test_trajectory_metadata_passes_the_broker_schema(engine):
