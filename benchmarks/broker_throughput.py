@@ -10,14 +10,15 @@ batches of 64, as an explorer's tasks come). Then the same producers push
 the same messages over a bare PUSH/PULL pair: the ceiling.
 
 A second case stores large trajectories (256 KB of opaque payload each,
-`--large-kb`), once with nothing fetched meanwhile (the rate of ACKs, each
-durable) and once to a consumer, and compares the MB/s with this disk's own
-sequential write rate with one fdatasync per write (the best of buffered
-writes and O_DIRECT ones, as the broker makes, the size of one PUT and of
-every PUT in flight at once: the largest group commit), measured in the same
-run in the same directory, and with the same messages relayed by a bare
-ZeroMQ process (PULL to PUSH, nothing stored): the two socket hops every
-trajectory makes through the broker, on the same cores.
+`--large-kb`; 8 per PUT, `--large-window` PUTs in flight), once with nothing
+fetched meanwhile (the rate of ACKs, each durable) and once to a consumer,
+and compares the MB/s with this disk's own sequential write rate with one
+fdatasync per write (the best of buffered writes and O_DIRECT ones, as the
+broker makes, the size of one PUT and of every PUT in flight at once: the
+largest group commit), measured in the same run in the same directory, and
+with the same messages relayed by a bare ZeroMQ process (PULL to PUSH,
+nothing stored): the two socket hops every trajectory makes through the
+broker, on the same cores.
 
     python benchmarks/broker_throughput.py [--quick] [--producers P]
 
@@ -299,10 +300,8 @@ def decode_us(per_put: int, repeat: int) -> tuple[float, float]:
 
 def bench_large(args, data_dir: Path) -> dict:
     """Large trajectories through the broker, beside the disk's own fdatasync'd write rate."""
-    import copy
-
-    big = copy.copy(args)
-    big.large_kb, big.per_put, big.window = args.large_kb_case, 8, 4
+    big = argparse.Namespace(**vars(args))
+    big.large_kb, big.per_put, big.window = args.large_kb_case, 8, args.large_window
     big.per_producer = (16 if args.smoke else 2400 if args.quick else 8000) // big.per_put * big.per_put
     put_bytes = big.per_put * (big.large_kb << 10)
     total = big.per_producer * big.producers * (big.large_kb << 10)
@@ -357,6 +356,7 @@ def main() -> None:
     ap.add_argument("--profile", default="", help="write a cProfile of the broker process to this file")
     ap.add_argument("--large-kb", dest="large_kb_case", type=at_least(0), default=256,
                     help="payload of the large-trajectory case, in KB (0: skip that case)")
+    ap.add_argument("--large-window", type=at_least(1), default=4, help="PUTs in flight per producer, large case")
     args = ap.parse_args()
     from rlbus.common.sections import TrainerConfig  # here, not at the top: the producers' processes need none of it
     args.large_kb, args.commit_every = 0, args.commit_every or TrainerConfig().checkpoint_every or 1
