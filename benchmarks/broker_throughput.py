@@ -24,18 +24,18 @@ broker, on the same cores.
 
 The last line printed is one JSON object: broker_traj_per_s,
 raw_zmq_traj_per_s, ratio, ratio_to_per_message, p50_ack_ms, p99_ack_ms,
-producers_done_s and consumer_done_s (when the producers had their last
-ACK and when the consumer had the last trajectory: a gap is a consumer
-that fell behind), large_ingest_mb_per_s, large_mb_per_s (to a consumer),
-disk_fdatasync_mb_per_s (the best of disk_buffered_mb_per_s and
+producers_done_s and consumer_done_s (when the producers had their last ACK
+and when the consumer had the last trajectory: a gap is a consumer that fell
+behind), large_window, large_ingest_mb_per_s, large_mb_per_s (to a
+consumer), disk_fdatasync_mb_per_s (the best of disk_buffered_mb_per_s and
 disk_direct_mb_per_s), large_ingest_ratio_to_disk, large_ratio_to_disk,
 large_relay_mb_per_s, large_ratio_to_relay, put_decode_us and
 put_decode_general_us (one PUT header decoded and validated by the broker's
 one-pass path and by the general path alone, timed in this process), the CPU
 seconds per 10,000 trajectories of each side (producers, broker, consumer)
-in the one-per-message ZeroMQ case and through the broker, and the
-settings. On a machine with few cores every side competes for them: the
-CPU figures say where the time goes.
+in the one-per-message ZeroMQ case and through the broker, and the settings.
+On a machine with few cores every side competes for them: the CPU figures
+say where the time goes.
 """
 
 from __future__ import annotations
@@ -334,8 +334,8 @@ def bench_large(args, data_dir: Path) -> dict:
     print(f"durable broker, {big.large_kb} KB trajectories, to a consumer: {rate:,.1f} traj/s = {mb:,.1f} MB/s "
           f"({mb / disk:.2f} of the disk, {mb / relayed:.2f} of the relay; CPU s per 10k: {run.cpu_line(n)})",
           flush=True)
-    return {"large_kb": big.large_kb, "large_traj_per_s": round(rate, 1), "large_mb_per_s": round(mb, 1),
-            "disk_fdatasync_mb_per_s": round(disk, 1),
+    return {"large_kb": big.large_kb, "large_window": big.window, "large_traj_per_s": round(rate, 1),
+            "large_mb_per_s": round(mb, 1), "disk_fdatasync_mb_per_s": round(disk, 1),
             "disk_buffered_mb_per_s": round(max(r for (_, d), r in rates.items() if not d), 1),
             "disk_direct_mb_per_s": round(max(r for (_, d), r in rates.items() if d), 1),
             "large_ratio_to_disk": round(mb / disk, 3), "large_ingest_mb_per_s": round(ingest, 1),
