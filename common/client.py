@@ -22,6 +22,7 @@ resent) until it is acknowledged unless its caller gives up on it.
 from __future__ import annotations
 
 import itertools
+import itertools
 import os
 import queue
 import socket
@@ -41,9 +42,13 @@ from rlbus.common.connection import BrokerError, BrokerUnreachable, Connection, 
 log = structlog.get_logger()
 
 
+_NAMED = itertools.count()  # names this process has made
+
+
 def default_name(role: str) -> str:
-    """A peer name unique to this process and this start: role, host, pid and a random tag."""
-    return f"{role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    """A peer name no other peer has: role, host, pid, how many names this process made before, and a random
+    tag (for a pid the host gives out again later)."""
+    return f"{role}-{socket.gethostname()}-{os.getpid()}-{next(_NAMED)}-{uuid.uuid4().hex[:6]}"
 
 
 class BrokerClient(Connection):

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import time
 
 import pytest
 
 from rlbus.common import protocol as P
-from rlbus.common.client import BrokerClient, BrokerUnreachable
+from rlbus.common.client import BrokerClient, BrokerUnreachable, default_name
 from tests.conftest import group
 
 
@@ -32,6 +33,13 @@ def test_put_made_while_broker_is_down_is_stored_after_restart(broker, clients):
     broker.start()
     assert sorted(pending.result(20)["stored"]) == ["late.0", "late.1"]
     assert c.reconnects >= 1
+
+
+def test_default_names_are_unique_to_each_start_and_say_whose_they_are():
+    """No two peers a process starts share a name (a random tag alone repeats: 24 bits in 20,000 draws)."""
+    names = {default_name("explorer") for _ in range(20_000)}
+    assert len(names) == 20_000
+    assert all(n.startswith(f"explorer-{socket.gethostname()}-{os.getpid()}-") for n in names)
 
 
 def test_request_timeout_is_bounded():
