@@ -12,9 +12,8 @@ Write order makes crashes safe: payload bytes are appended (and, with
 committed, and the broker ACKs only after that commit. Bytes appended but
 never committed are unreachable garbage; each start opens a new segment.
 
-The in-memory indexes (ids, groups, ready queue) are rebuilt from the
-catalogue at start, so queries never touch the disk except to read payloads
-back.
+The in-memory indexes (ids, groups, ready queue) are rebuilt from the catalogue at start, so
+queries never touch the disk except to read payloads back.
 """
 
 from __future__ import annotations
@@ -27,8 +26,7 @@ from typing import Any
 from rlbus.broker.catalog import Catalog
 from rlbus.broker.segments import SegmentLog, crc32
 
-# Group states. FILLING and READY are derived from how many samples are
-# stored; the others are recorded in the batches and retired tables.
+# Group states. FILLING and READY follow from the samples stored; the others are in the batches and retired tables.
 FILLING, READY, DELIVERED, COMMITTED, EXPIRED, SKIPPED = range(6)
 _RETIRED = {COMMITTED: "committed", EXPIRED: "expired", SKIPPED: "skipped"}
 
@@ -44,7 +42,7 @@ class Traj:
     crc: int
     meta: dict[str, Any]
     data: memoryview | None = None  # payload kept in memory until retired, within the cache budget
-    src_off: int = 0  # where `data` starts in the PUT frame it is a view of (data.obj)
+    src_off: int = 0  # where `data` starts in data.obj (the PUT frame it is a view of, or its own bytes)
 
 
 @dataclass(slots=True)
@@ -179,7 +177,8 @@ class Store:
 
         Runs on the broker's loop; `write` (on the writer thread) makes the job
         durable and `finish` (back on the loop) makes it visible. Ids in a job
-        count as pending until then, so a resend cannot be stored twice.
+        count as pending until then, so a resend cannot be stored twice. A PUT's payloads are views
+        of its frame back to back (`split_payloads`) or bytes of their own.
         """
         job = WriteJob()
         self.segments.align()
@@ -195,9 +194,9 @@ class Store:
                 size = len(payload)
                 tid = meta["id"]
                 if tid not in ids and tid not in pending and tid not in planned:
-                    view = payload if isinstance(payload, memoryview) else memoryview(payload)
+                    view, at = (payload, src_off) if isinstance(payload, memoryview) else (memoryview(payload), 0)
                     chunk.append(Traj(tid, meta["policy_version"], float(meta["reward"]), segment, offset, size, 0,
-                                      meta, view, src_off))
+                                      meta, view, at))
                     offset += size
                     planned.add(tid)
                     stored.add(tid)
@@ -219,10 +218,11 @@ class Store:
         for chunk in sorted(chunks, key=lambda c: (c[0].segment, c[0].offset)):
             segment_runs = runs.setdefault(chunk[0].segment, [])
             last = segment_runs[-1] if segment_runs else None
+            pieces = self.payload_frames(chunk)  # neighbours in one PUT frame: one piece, copied once
             if last is not None and last[0] + sum(len(b) for b in last[1]) == chunk[0].offset:
-                last[1].extend(t.data for t in chunk)
+                last[1].extend(pieces)
             else:
-                segment_runs.append((chunk[0].offset, [t.data for t in chunk]))
+                segment_runs.append((chunk[0].offset, pieces))
         self.segments.write(runs)
         for chunk in chunks:
             for traj in chunk:
