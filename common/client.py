@@ -22,7 +22,6 @@ resent) until it is acknowledged unless its caller gives up on it.
 from __future__ import annotations
 
 import itertools
-import itertools
 import os
 import queue
 import socket
