@@ -18,7 +18,9 @@ broker makes, the size of one PUT and of every PUT in flight at once: the
 largest group commit), measured in the same run in the same directory, and
 with the same messages relayed by a bare ZeroMQ process (PULL to PUSH,
 nothing stored): the two socket hops every trajectory makes through the
-broker, on the same cores.
+broker, on the same cores. Beside them, the broker's storage alone: its
+`Store` in this process writing the same PUTs, already in memory, a group
+commit of every PUT in flight at once (no socket, no producer).
 
     python benchmarks/broker_throughput.py [--quick] [--producers P]
 
@@ -29,6 +31,7 @@ and when the consumer had the last trajectory: a gap is a consumer that fell
 behind), large_window, large_ingest_mb_per_s, large_mb_per_s (to a
 consumer), disk_fdatasync_mb_per_s (the best of disk_buffered_mb_per_s and
 disk_direct_mb_per_s), large_ingest_ratio_to_disk, large_ratio_to_disk,
+large_store_alone_mb_per_s, large_store_alone_ratio_to_disk,
 large_relay_mb_per_s, large_ratio_to_relay, put_decode_us and
 put_decode_general_us (one PUT header decoded and validated by the broker's
 one-pass path and by the general path alone, timed in this process), the CPU
@@ -47,31 +50,15 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.harness import at_least, broker_process, cpu_seconds, disk_fdatasync_mb_per_s  # noqa: E402
+from benchmarks.harness import (Run, at_least, broker_process, cpu_seconds, disk_fdatasync_mb_per_s,  # noqa: E402
+                                relay)
 
 GROUP = 8  # samples per group (repeat)
 BATCH_GROUPS = 64  # groups of one explorer batch (data.batch_tasks), as many as the consumer FETCHes a step
-
-
-@dataclass
-class Run:
-    """One measured case: trajectories/s, PUT-to-ACK latencies, and the CPU seconds each side spent."""
-
-    rate: float
-    latencies: list[float] = field(default_factory=list)
-    cpu: dict[str, float] = field(default_factory=dict)  # producers, broker, consumer
-    producers_done_s: float = 0.0  # when the last producer had its last ACK (the consumer may still be taking)
-    consumer_done_s: float = 0.0
-
-    def cpu_line(self, trajectories: int) -> str:
-        """CPU seconds per 10,000 trajectories, by side: where a 2-core machine's time goes."""
-        per = {k: v * 10_000 / trajectories for k, v in self.cpu.items()}
-        return ", ".join(f"{k} {v:.2f}" for k, v in per.items()) + f"; total {sum(per.values()):.2f}"
 
 
 def make_batch(producer: int, first_group: int, groups: int, payload: bytes) -> list[tuple[dict, bytes]]:
@@ -178,23 +165,6 @@ def run_producers(mode: str, address: str, args, consume) -> tuple[float, list[f
     return elapsed, latencies, cpu, done
 
 
-def relay(messages: int, results) -> None:
-    """A bare ZeroMQ hop: what a broker that stored nothing and checked nothing would cost. Puts its two ports
-    (in, out) on `results`, then its CPU seconds."""
-    import zmq
-
-    ctx = zmq.Context()
-    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    results.put([sock.bind_to_random_port("tcp://127.0.0.1") for sock in (pull, push)])
-    cpu = time.process_time()
-    for _ in range(messages):
-        push.send_multipart(pull.recv_multipart(copy=False), copy=False)
-    push.close(linger=-1)
-    pull.close(0)
-    ctx.term()
-    results.put(time.process_time() - cpu)
-
-
 def bench_raw(args, mode: str = "raw", relayed: bool = False) -> Run:
     """Producers PUSH to the consumer's PULL; `relayed`: through a relay process in between (the two hops
     every trajectory makes through the broker, and nothing else)."""
@@ -298,6 +268,25 @@ def decode_us(per_put: int, repeat: int) -> tuple[float, float]:
     return out[0], out[1]
 
 
+def store_alone_mb_per_s(data_dir: Path, payload: bytes, per_put: int, puts: int, per_commit: int) -> float:
+    """The broker's storage path alone, in this process, every PUT's frame already in memory (no socket, no
+    producer): `Store.put` places, stages, writes direct, syncs and catalogues `per_commit` PUTs a group
+    commit, as the writer thread does for every PUT in flight at once."""
+    from rlbus.broker.store import Store
+
+    n, frame = len(payload), memoryview(payload * per_put)
+    messages = [[(meta, frame[i * n:(i + 1) * n]) for i, (meta, _) in enumerate(make_batch(0, k, 1, b""))]
+                for k in range(puts)]
+    store = Store(data_dir, "group")
+    try:
+        start = time.perf_counter()
+        for first in range(0, puts, per_commit):
+            store.put(messages[first:first + per_commit])
+        return puts * per_put * n / (time.perf_counter() - start) / 1e6
+    finally:
+        store.close()
+
+
 def bench_large(args, data_dir: Path) -> dict:
     """Large trajectories through the broker, beside the disk's own fdatasync'd write rate."""
     big = argparse.Namespace(**vars(args))
@@ -315,6 +304,10 @@ def bench_large(args, data_dir: Path) -> dict:
         f"{size >> 20} MB {'direct' if direct else 'buffered'} {rate:,.1f} MB/s"
         for (size, direct), rate in rates.items()), flush=True)
     n = big.per_producer * big.producers
+    alone = store_alone_mb_per_s(data_dir / "alone", blocks[put_bytes][:big.large_kb << 10], big.per_put,
+                                 n // big.per_put, big.window * big.producers)
+    print(f"the broker's storage alone (no socket), a group commit of every PUT in flight: {alone:,.1f} MB/s "
+          f"({alone / disk:.2f} of the disk)", flush=True)
     raw_run = bench_raw(big)
     raw = raw_run.rate * (big.large_kb << 10) / 1e6
     print(f"raw zmq push/pull, the same {big.large_kb} KB PUT messages: {raw:,.1f} MB/s "
@@ -339,7 +332,8 @@ def bench_large(args, data_dir: Path) -> dict:
             "disk_buffered_mb_per_s": round(max(r for (_, d), r in rates.items() if not d), 1),
             "disk_direct_mb_per_s": round(max(r for (_, d), r in rates.items() if d), 1),
             "large_ratio_to_disk": round(mb / disk, 3), "large_ingest_mb_per_s": round(ingest, 1),
-            "large_ingest_ratio_to_disk": round(ingest / disk, 3),
+            "large_ingest_ratio_to_disk": round(ingest / disk, 3), "large_store_alone_mb_per_s": round(alone, 1),
+            "large_store_alone_ratio_to_disk": round(alone / disk, 3),
             "large_raw_zmq_mb_per_s": round(raw, 1), "large_ratio_to_raw_zmq": round(mb / raw, 3),
             "large_relay_mb_per_s": round(relayed, 1), "large_ratio_to_relay": round(mb / relayed, 3)}
 

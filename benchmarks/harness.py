@@ -1,5 +1,6 @@
 """What every benchmark needs: a real broker process for the run, on ports it binds itself, the CPU time of
-processes and their threads (Linux /proc), this disk's rate of fdatasync'd writes, and checked arguments."""
+processes and their threads (Linux /proc), this disk's rate of fdatasync'd writes, a bare ZeroMQ hop,
+checked arguments, and the record of one measured case."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import subprocess
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Iterator
@@ -20,6 +21,22 @@ from rlbus.broker import endpoints
 from rlbus.common.processes import terminate_with
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Run:
+    """One measured case: trajectories/s, PUT-to-ACK latencies, and the CPU seconds each side spent."""
+
+    rate: float
+    latencies: list[float] = field(default_factory=list)
+    cpu: dict[str, float] = field(default_factory=dict)  # producers, broker, consumer
+    producers_done_s: float = 0.0  # when the last producer had its last ACK (the consumer may still be taking)
+    consumer_done_s: float = 0.0
+
+    def cpu_line(self, trajectories: int) -> str:
+        """CPU seconds per 10,000 trajectories, by side: where a 2-core machine's time goes."""
+        per = {k: v * 10_000 / trajectories for k, v in self.cpu.items()}
+        return ", ".join(f"{k} {v:.2f}" for k, v in per.items()) + f"; total {sum(per.values()):.2f}"
 
 
 def at_least(low: int, multiple_of: int = 1):
@@ -127,3 +144,20 @@ def disk_fdatasync_mb_per_s(directory: Path, block: bytes, total_bytes: int, dir
         os.close(fd)
         path.unlink()
     return offset / elapsed / 1e6
+
+
+def relay(messages: int, results) -> None:
+    """A bare ZeroMQ hop: what a broker that stored nothing and checked nothing would cost. Puts its two ports
+    (in, out) on `results`, then its CPU seconds."""
+    import zmq
+
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    results.put([sock.bind_to_random_port("tcp://127.0.0.1") for sock in (pull, push)])
+    cpu = time.process_time()
+    for _ in range(messages):
+        push.send_multipart(pull.recv_multipart(copy=False), copy=False)
+    push.close(linger=-1)
+    pull.close(0)
+    ctx.term()
+    results.put(time.process_time() - cpu)
