@@ -274,8 +274,8 @@ def store_alone_mb_per_s(data_dir: Path, payload: bytes, per_put: int, puts: int
     commit, as the writer thread does for every PUT in flight at once."""
     from rlbus.broker.store import Store
 
-    n, frame = len(payload), memoryview(payload * per_put)
-    messages = [[(meta, frame[i * n:(i + 1) * n]) for i, (meta, _) in enumerate(make_batch(0, k, 1, b""))]
+    n, frame, groups = len(payload), memoryview(payload * per_put), per_put // GROUP
+    messages = [[(meta, frame[i * n:(i + 1) * n]) for i, (meta, _) in enumerate(make_batch(0, k * groups, groups, b""))]
                 for k in range(puts)]
     store = Store(data_dir, "group")
     try:
