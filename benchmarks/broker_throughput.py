@@ -304,8 +304,8 @@ def bench_large(args, data_dir: Path) -> dict:
         f"{size >> 20} MB {'direct' if direct else 'buffered'} {rate:,.1f} MB/s"
         for (size, direct), rate in rates.items()), flush=True)
     n = big.per_producer * big.producers
-    alone = store_alone_mb_per_s(data_dir / "alone", blocks[put_bytes][:big.large_kb << 10], big.per_put,
-                                 n // big.per_put, big.window * big.producers)
+    alone = store_alone_mb_per_s(data_dir / "alone", sample_payload(big.large_kb), big.per_put, n // big.per_put,
+                                 big.window * big.producers)
     print(f"the broker's storage alone (no socket), a group commit of every PUT in flight: {alone:,.1f} MB/s "
           f"({alone / disk:.2f} of the disk)", flush=True)
     raw_run = bench_raw(big)
