@@ -212,7 +212,9 @@ def validate(msg: Message) -> Struct:
     try:
         typed = msg.typed if msg.typed is not None else messages.check(msg.command, msg.header)
     except msgspec.ValidationError as exc:
-        text = str(exc).replace("`float` >= -1.7976931348623157e+308", "a finite `float`")
+        text = str(exc)
+        for bound in ("`float` >= -1.7976931348623157e+308", "`float` <= 1.7976931348623157e+308"):
+            text = text.replace(bound, "a finite `float`")  # NaN, -inf; +inf
         if "got `null`" in text:
             text += "; leave the field out instead of sending nil"
         raise ProtocolError("bad_field", f"{msg.command}: {text[:300]}") from None

@@ -49,6 +49,15 @@ def test_validate_names_the_bad_field(header, field):
     assert err.value.code == "bad_field" and field in err.value.message
 
 
+@pytest.mark.parametrize("reward", [float("nan"), float("inf"), float("-inf")])
+def test_a_reward_that_is_not_finite_is_named_as_such(reward):
+    header = {"trajectories": [{**_meta(0), "payload_bytes": 4, "reward": reward}]}
+    with pytest.raises(P.ProtocolError) as err:
+        P.validate(P.Message(P.PUT, header, [b"x" * 4]))
+    assert err.value.code == "bad_field"
+    assert "Expected a finite `float` - at `$.trajectories[0].reward`" in err.value.message, err.value.message
+
+
 def test_decode_rejects_oversized_messages_before_parsing():
     with pytest.raises(P.ProtocolError) as err:
         P.decode(P.encode(P.STATUS, {}, [b"\0" * 1000]), max_message_bytes=500)
