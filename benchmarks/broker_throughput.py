@@ -32,6 +32,9 @@ behind), large_window, large_ingest_mb_per_s, large_mb_per_s (to a
 consumer), disk_fdatasync_mb_per_s (the best of disk_buffered_mb_per_s and
 disk_direct_mb_per_s), large_ingest_ratio_to_disk, large_ratio_to_disk,
 large_store_alone_mb_per_s, large_store_alone_ratio_to_disk,
+large_ingest_cpu_bound_mb_per_s and its ratio to the disk (the most the
+cores could carry at the CPU per byte the producers and the broker spent
+in the ingest case, were they busy every moment),
 large_relay_mb_per_s, large_ratio_to_relay, put_decode_us and
 put_decode_general_us (one PUT header decoded and validated by the broker's
 one-pass path and by the general path alone, timed in this process), the CPU
@@ -317,10 +320,11 @@ def bench_large(args, data_dir: Path) -> dict:
     print(f"raw zmq through a relay process (two hops, nothing stored): {relayed:,.1f} MB/s "
           f"(CPU s per 10k: {relay_run.cpu_line(n)})", flush=True)
     ingest_run = bench_broker(big, data_dir / "ingest", fetch=False)
-    ingest = ingest_run.rate * (big.large_kb << 10) / 1e6
+    ingest, bound = ingest_run.rate * (big.large_kb << 10) / 1e6, ingest_run.cpu_bound(total) / 1e6
     print(f"durable broker, {big.large_kb} KB trajectories, nothing fetched meanwhile: {ingest:,.1f} MB/s ACKed "
           f"({ingest / disk:.2f} of the disk, {ingest / raw:.2f} of one raw hop; CPU s per 10k: "
-          f"{ingest_run.cpu_line(n)})", flush=True)
+          f"{ingest_run.cpu_line(n)}); at that CPU per byte, {len(os.sched_getaffinity(0))} cores busy every "
+          f"moment would carry {bound:,.1f} MB/s ({bound / disk:.2f} of the disk)", flush=True)
     run = bench_broker(big, data_dir / "large")
     rate = run.rate
     mb = rate * (big.large_kb << 10) / 1e6
@@ -334,6 +338,8 @@ def bench_large(args, data_dir: Path) -> dict:
             "large_ratio_to_disk": round(mb / disk, 3), "large_ingest_mb_per_s": round(ingest, 1),
             "large_ingest_ratio_to_disk": round(ingest / disk, 3), "large_store_alone_mb_per_s": round(alone, 1),
             "large_store_alone_ratio_to_disk": round(alone / disk, 3),
+            "large_ingest_cpu_bound_mb_per_s": round(bound, 1),
+            "large_ingest_cpu_bound_ratio_to_disk": round(bound / disk, 3),
             "large_raw_zmq_mb_per_s": round(raw, 1), "large_ratio_to_raw_zmq": round(mb / raw, 3),
             "large_relay_mb_per_s": round(relayed, 1), "large_ratio_to_relay": round(mb / relayed, 3)}
 

@@ -38,6 +38,11 @@ class Run:
         per = {k: v * 10_000 / trajectories for k, v in self.cpu.items()}
         return ", ".join(f"{k} {v:.2f}" for k, v in per.items()) + f"; total {sum(per.values()):.2f}"
 
+    def cpu_bound(self, work: float) -> float:
+        """`work` a second at most, for a case that did `work` in all: what this process's cores could carry at
+        the CPU every side spent per unit of it here, were they busy every moment (no side waiting on another)."""
+        return len(os.sched_getaffinity(0)) * work / sum(self.cpu.values())
+
 
 def at_least(low: int, multiple_of: int = 1):
     """An argparse type: a whole number of at least `low` (and a multiple of `multiple_of`), or a usage error

@@ -42,7 +42,8 @@ SCRIPTS = {"weight_sync_link": "weight_sync"}  # a second smoke of one script (t
 FIGURES = {"weight_sync": ("network_ratio", "delta_bytes_share"),
            "weight_sync_link": ("network_ratio", "delta_bytes_share"), "trainer": ("tokens_per_s", "serving"),
            "broker_throughput": ("ratio_to_per_message", "large_ingest_ratio_to_disk",
-                                 "large_store_alone_ratio_to_disk", "large_window")}
+                                 "large_store_alone_ratio_to_disk", "large_ingest_cpu_bound_ratio_to_disk",
+                                 "large_window")}
 # The explorers' host is a network namespace: root and iproute2's ip and tc.
 LINK_UNAVAILABLE = "" if os.geteuid() == 0 and shutil.which("ip") and shutil.which("tc") else \
     "the link needs root, ip and tc"
