@@ -39,8 +39,8 @@ class Run:
         return ", ".join(f"{k} {v:.2f}" for k, v in per.items()) + f"; total {sum(per.values()):.2f}"
 
     def cpu_bound(self, work: float) -> float:
-        """`work` a second at most, for a case that did `work` in all: what this process's cores could carry at
-        the CPU every side spent per unit of it here, were they busy every moment (no side waiting on another)."""
+        """The most work a second this process's cores could carry, for a case that did `work` in all, at the CPU
+        every side spent on it here: were the cores busy every moment, no side ever waiting on another."""
         return len(os.sched_getaffinity(0)) * work / sum(self.cpu.values())
 
 
