@@ -224,6 +224,29 @@ def recv(sock: zmq.Socket, timeout_s: float = 10.0) -> P.Message:
             return msg
 
 
+def reap(proc: subprocess.Popen, timeout_s: float = 10.0) -> int:
+    """Wait for a process that was sent SIGKILL to be gone; returns its status. One that is still there after
+    `timeout_s` fails the test with what each of its threads was doing in the kernel (state, wait channel,
+    stack where readable): SIGKILL ends a process at once unless a thread sleeps where it cannot be woken."""
+    try:
+        return proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        pass
+    def read(path: Path) -> str:
+        try:
+            return path.read_text().strip()
+        except OSError as exc:
+            return f"({exc.strerror})"
+
+    threads = []
+    for task in sorted(Path(f"/proc/{proc.pid}/task").glob("*")):
+        stat = read(task / "stat")
+        state = stat.rpartition(")")[2].split()[0] if ")" in stat else stat
+        threads.append(f"  thread {task.name} {read(task / 'comm')}: state {state}, wchan {read(task / 'wchan')}\n"
+                       + "    " + read(task / "stack").replace("\n", "\n    "))
+    raise AssertionError(f"pid {proc.pid} still there {timeout_s} s after SIGKILL:\n" + "\n".join(threads))
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
     """A tiny random model with the bundled model's tokenizer (prepares the bundled model once)."""

@@ -19,7 +19,7 @@ from rlbus.weights.digest import weights_digest
 from rlbus.weights.sync import load_checkpoint
 from rlbus.explorer.main import Explorer
 from rlbus.logview import events
-from tests.conftest import REPO, TINY_KV_MB
+from tests.conftest import REPO, TINY_KV_MB, reap
 from tests.explorer.test_explorer import explorer_config
 
 pytestmark = pytest.mark.slow  # starts engines or trains
@@ -82,7 +82,7 @@ def tear_down(ex: Explorer, thread: threading.Thread | None, proc: subprocess.Po
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-    proc.wait(10)
+    reap(proc)
     pub.close()
     load_checkpoint(engine, tiny_model, weights_digest(tiny_model), 0)
 
@@ -160,7 +160,7 @@ def test_member_killed_mid_broadcast_does_not_hang_the_trainer(broker_factory, c
         wait_for(marker.exists, 60, "the victim to receive its first bucket")
         os.killpg(victim.pid, signal.SIGKILL)
         killed = time.monotonic()
-        victim.wait(10)
+        reap(victim)
         publishing.join(timeout_s + 30)
         assert not publishing.is_alive(), "the trainer hangs on a dead member"
         assert time.monotonic() - killed < timeout_s + 15
