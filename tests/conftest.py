@@ -232,6 +232,7 @@ def reap(proc: subprocess.Popen, timeout_s: float = 10.0) -> int:
         return proc.wait(timeout_s)
     except subprocess.TimeoutExpired:
         pass
+
     def read(path: Path) -> str:
         try:
             return path.read_text().strip()

@@ -82,9 +82,9 @@ def tear_down(ex: Explorer, thread: threading.Thread | None, proc: subprocess.Po
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-    reap(proc)
     pub.close()
     load_checkpoint(engine, tiny_model, weights_digest(tiny_model), 0)
+    reap(proc)  # last: the shared engine is back on version 0 even if this fails
 
 
 def test_mixed_fleet_late_joiner_gets_the_checkpoint_then_the_broadcast(broker_factory, clients, engine, tiny_model,
