@@ -17,7 +17,7 @@ from rlbus.common import protocol as P
 from rlbus.explorer.engine import inline_core
 from rlbus.explorer.main import Explorer
 from rlbus.logview import events
-from tests.conftest import REPO, TINY_KV_MB
+from tests.conftest import REPO, TINY_KV_MB, reap
 from tests.explorer.test_explorer import explorer_config
 
 pytestmark = pytest.mark.slow  # starts engines or trains
@@ -46,7 +46,7 @@ def test_explorer_killed_mid_batch_has_its_leases_reissued(broker_factory, clien
             time.sleep(0.05)
         assert held, f"the victim never held a lease: {(tmp_path / 'victim.log').read_text()[-2000:]}"
         os.killpg(victim.pid, signal.SIGKILL)
-        victim.wait(10)
+        reap(victim)
         status = tool.request(P.STATUS).header
         assert status["buffer"]["stored"] == 0, "killed before it PUT anything"
         # Another explorer picks up the victim's tasks once the broker drops it.
@@ -63,7 +63,7 @@ def test_explorer_killed_mid_batch_has_its_leases_reissued(broker_factory, clien
             os.killpg(victim.pid, signal.SIGKILL)  # the group it leads: its engine processes too
         except ProcessLookupError:
             pass
-        victim.wait(10)
+        reap(victim)
 
 
 def _start_explorer(b, name: str, tmp_path, *sets: str, env: dict | None = None) -> subprocess.Popen:
@@ -97,7 +97,7 @@ def _stop_group(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-    proc.wait(10)
+    reap(proc)
 
 
 def test_sigterm_finishes_the_batch_puts_it_and_says_bye(broker_factory, clients, tiny_model, tmp_path):
@@ -156,7 +156,7 @@ def test_sigkilled_explorer_takes_its_engine_processes_and_their_sockets_with_it
         assert engine, "the engine core runs in a process of its own"
         assert _sockets(temp), "vLLM's engine sockets are in the explorer's temporary directory"
         os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(10)
+        reap(proc)
         _, alive = psutil.wait_procs(engine, timeout=15)
         assert not alive, f"outlived their explorer: {[(p.pid, p.name()) for p in alive]}"
         assert "rlbus: the explorer" in (tmp_path / "doomed.err").read_text(), "the engine said why it ended"

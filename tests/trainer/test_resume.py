@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from rlbus.common import protocol as P
 from rlbus.logview import events
-from tests.conftest import REPO
+from tests.conftest import REPO, reap
 from tests.trainer.test_trainer import synthetic
 
 pytestmark = pytest.mark.slow  # starts engines or trains
@@ -50,7 +50,7 @@ def kill_when(proc, condition, timeout: float = 300) -> None:
     finally:
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(10)
+        reap(proc)
 
 
 def delivered(b):
@@ -157,7 +157,7 @@ def test_trainer_waits_out_a_broker_outage_longer_than_its_request_timeout(broke
     finally:
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+            reap(proc)
     assert steps_logged(log_path) == list(range(steps))
 
 

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from rlbus.logview import events
-from tests.conftest import free_port
+from tests.conftest import free_port, reap
 from tests.helpers.weights import assert_same_weights
 from tests.trainer.test_resume import delivered, feed, start_trainer, steps_logged
 
@@ -103,7 +103,7 @@ def test_a_rank_killed_mid_run_stops_the_trainer_naming_it_and_a_restart_resumes
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.wait(10)
+            reap(proc)
     assert code == 1
     failed = events(log, "trainer_rank_failed")
     assert [(e["rank"], e["reason"]) for e in failed] == [(1, "killed by SIGKILL")]
