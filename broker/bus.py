@@ -42,6 +42,9 @@ class WeightBus:
         fetch_from = h.get("fetch_from")
         if fetch_from is not None and not P.ENDPOINT.fullmatch(fetch_from):
             return P.ProtocolError("bad_field", f"PUBLISH: fetch_from {P.brief(fetch_from)} is not tcp://HOST:PORT")
+        if h["version"] > 0 and not h["location"] and not h.get("broadcast"):
+            return P.ProtocolError("bad_field", f"PUBLISH: version {h['version']} has an empty location and no "
+                                                "broadcast, so no explorer could load it")
         if h["version"] < self.state["version"]:
             return P.ProtocolError("conflict", f"version {h['version']} is older than the published "
                                                f"{self.state['version']}")

@@ -4,7 +4,7 @@ docs/protocol.md gives the fields; these types are their executable form.
 `protocol.validate` checks a decoded header against its Struct in one C pass
 (types, ranges, lengths, required fields): a value of the wrong type, a
 negative or too large integer, a float that is not finite, nil where a value
-belongs, an over-long id. Fields a Struct does not name are allowed and kept
+belongs, an empty or over-long id. Fields a Struct does not name are allowed and kept
 as they came (the broker stores and re-emits headers as maps). A PUT of
 trajectories with nothing else (`PlainPut`) is decoded straight from its
 bytes into its Struct, skipping the map and the second pass. The explorer
@@ -26,7 +26,7 @@ Int = Annotated[int, Meta(ge=0, le=MAX_INT)]
 Count = Annotated[int, Meta(ge=1, le=MAX_INT)]
 # Finite: NaN fails every comparison and the infinities lie outside.
 Float = Annotated[float, Meta(ge=-1.7976931348623157e308, le=1.7976931348623157e308)]
-Id = Annotated[str, Meta(max_length=MAX_ID_CHARS)]
+Id = Annotated[str, Meta(min_length=1, max_length=MAX_ID_CHARS)]  # never empty
 Names = list[Id]
 
 

@@ -234,6 +234,17 @@ def test_publish_reaches_bus_and_welcome(broker, clients):
     assert late.welcome["weights"]["location"] == "/w/v3"
 
 
+def test_publish_of_a_version_no_explorer_could_load_is_refused(broker, clients):
+    """Above version 0, an empty location needs a broadcast announcement; the state stays as it was."""
+    tr = clients(broker, "trainer", "tr")
+    with pytest.raises(BrokerError, match="bad_field.*version 2 has an empty location and no broadcast"):
+        tr.request(P.PUBLISH, {"version": 2, "method": "nccl", "location": "", "digest": ""})
+    assert tr.request(P.STATUS).header["weights"]["version"] == 0
+    tr.request(P.PUBLISH, {"version": 0, "method": "checkpoint", "location": "", "digest": ""})  # the initial model
+    tr.request(P.PUBLISH, {"version": 2, "method": "checkpoint", "location": "/w/v2", "digest": "abc"})
+    assert tr.request(P.STATUS).header["weights"]["location"] == "/w/v2"
+
+
 def test_publish_carries_where_to_fetch_and_refuses_a_bad_address(broker, clients):
     ex = clients(broker, "explorer", "ex")
     tr = clients(broker, "trainer", "tr")

@@ -58,6 +58,20 @@ def test_a_reward_that_is_not_finite_is_named_as_such(reward):
     assert "Expected a finite `float` - at `$.trajectories[0].reward`" in err.value.message, err.value.message
 
 
+@pytest.mark.parametrize("field", ["id", "group_id", "task_id"])
+def test_an_empty_trajectory_id_is_a_bad_field(field):
+    header = {"trajectories": [{**_meta(0), "payload_bytes": 4, field: ""}]}
+    with pytest.raises(P.ProtocolError) as err:
+        P.validate(P.Message(P.PUT, header, [b"x" * 4]))
+    assert err.value.code == "bad_field" and f"$.trajectories[0].{field}" in err.value.message, err.value.message
+
+
+def test_an_empty_peer_name_is_a_bad_field():
+    with pytest.raises(P.ProtocolError) as err:
+        P.validate(P.Message(P.HELLO, {"role": "explorer", "name": ""}))
+    assert err.value.code == "bad_field" and "name" in err.value.message
+
+
 def test_decode_rejects_oversized_messages_before_parsing():
     with pytest.raises(P.ProtocolError) as err:
         P.decode(P.encode(P.STATUS, {}, [b"\0" * 1000]), max_message_bytes=500)
