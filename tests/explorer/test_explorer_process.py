@@ -59,11 +59,7 @@ def test_explorer_killed_mid_batch_has_its_leases_reissued(broker_factory, clien
         assert any(e["event"] == "peer_left" and e["peer"] == "victim" and e["leases_released"] == held
                    for e in events)
     finally:
-        try:
-            os.killpg(victim.pid, signal.SIGKILL)  # the group it leads: its engine processes too
-        except ProcessLookupError:
-            pass
-        reap(victim)
+        _stop_group(victim)  # the group it leads: its engine processes too
 
 
 def _start_explorer(b, name: str, tmp_path, *sets: str, env: dict | None = None) -> subprocess.Popen:
