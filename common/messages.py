@@ -27,6 +27,8 @@ Count = Annotated[int, Meta(ge=1, le=MAX_INT)]
 # Finite: NaN fails every comparison and the infinities lie outside.
 Float = Annotated[float, Meta(ge=-1.7976931348623157e308, le=1.7976931348623157e308)]
 Id = Annotated[str, Meta(min_length=1, max_length=MAX_ID_CHARS)]  # never empty
+MAX_WORKERS = 1024  # ranks one explorer takes in a weight broadcast (its engine's workers)
+Workers = Annotated[int, Meta(ge=1, le=MAX_WORKERS)]
 Names = list[Id]
 
 
@@ -38,7 +40,7 @@ class Capabilities(Struct, forbid_unknown_fields=False):
     services: Names | UnsetType = UNSET
     sync_methods: Names | UnsetType = UNSET
     broadcast_backends: Names | UnsetType = UNSET
-    broadcast_workers: Int | UnsetType = UNSET
+    broadcast_workers: Workers | UnsetType = UNSET
 
 
 class Rollout(Struct, forbid_unknown_fields=False):
@@ -130,7 +132,7 @@ class Broadcast(Struct, forbid_unknown_fields=False):
     version: Int
     digest: str
     timeout_s: Float
-    workers: dict[Id, Int] | UnsetType = UNSET
+    workers: dict[Id, Workers] | UnsetType = UNSET
 
 
 class Publish(Header):

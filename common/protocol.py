@@ -230,11 +230,22 @@ def validate(msg: Message) -> Struct:
                 raise ProtocolError("bad_field", f"PUT: $.trajectories[{i}].last_version {t.last_version} is older "
                                                  f"than its policy_version {t.policy_version} (the oldest token's)")
     elif msg.command == PUBLISH and typed.broadcast is not msgspec.UNSET:
-        b = typed.broadcast
-        if not all(1 <= r < b.world for r in b.ranks.values()):
-            raise ProtocolError("bad_field", f"PUBLISH broadcast: ranks must map explorer names to ranks "
-                                             f"1..world-1, got {brief(b.ranks)}")
+        _check_ranks(typed.broadcast)
     return typed
+
+
+def _check_ranks(b: messages.Broadcast) -> None:
+    """Each member's ranks (`rank` … `rank + workers − 1`) lie in 1..world−1 and are its own."""
+    workers = {} if b.workers is msgspec.UNSET else b.workers
+    strangers = sorted(set(workers) - set(b.ranks))
+    if strangers:
+        raise ProtocolError("bad_field", f"PUBLISH broadcast: workers names {brief(strangers)}, which ranks does not")
+    spans = sorted((rank, rank + workers.get(name, 1), name) for name, rank in b.ranks.items())
+    for (start, end, name), after in zip(spans, spans[1:] + [(b.world, b.world, "")], strict=True):
+        if not 1 <= start < end <= after[0]:
+            taken = f"ranks {start}..{end - 1}" if end - start > 1 else f"rank {start}"
+            raise ProtocolError("bad_field", f"PUBLISH broadcast: {brief(name)} takes {taken}, outside 1..world-1 "
+                                             f"(world {b.world}) or shared with another member")
 
 
 def join_payloads(metas: list[dict[str, Any]], payloads: list[bytes]) -> bytes:

@@ -52,7 +52,8 @@ log = structlog.get_logger()
 
 MAGIC = b"rlbus-weights/1"
 MANIFEST, CHUNK, ERROR = b"MANIFEST", b"CHUNK", b"ERROR"
-MAX_REQUEST_BYTES = 64 << 10
+MAX_REQUEST_BYTES = 64 << 10  # a larger request is answered `bad_request`
+MAX_FRAME_BYTES = 1 << 20  # a larger frame drops the connection (ZMQ_MAXMSGSIZE): guards memory only
 MAX_WAITING = 4096  # requests held while their manifest is built
 DELTA_WAIT_S = 10.0  # how long a MANIFEST for a delta waits for its build when the client does not say
 
@@ -92,7 +93,7 @@ class WeightServer:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.linger = 0
-        self.sock.maxmsgsize = MAX_REQUEST_BYTES
+        self.sock.maxmsgsize = MAX_FRAME_BYTES
         self.sock.sndhwm = 16  # chunk replies queued per client: a client that stops reading holds 64 MB at most
         self.auth = None
         self.public_key = ""
@@ -178,6 +179,10 @@ class WeightServer:
             self._error(frames[0], None, "bad_request", f"expected [{MAGIC.decode()}, command, header]")
             return
         ident, _, command, header = frames
+        if len(header) > MAX_REQUEST_BYTES:
+            self._error(ident, None, "bad_request", f"a request header of {len(header)} bytes; at most "
+                                                    f"{MAX_REQUEST_BYTES}")
+            return
         try:
             request = msgspec.msgpack.decode(header, type=Request)
         except (msgspec.DecodeError, RecursionError) as exc:  # RecursionError: an unnamed field nested too deep

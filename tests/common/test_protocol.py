@@ -72,6 +72,44 @@ def test_an_empty_peer_name_is_a_bad_field():
     assert err.value.code == "bad_field" and "name" in err.value.message
 
 
+@pytest.mark.parametrize("workers", [0, M.MAX_WORKERS + 1])
+def test_broadcast_workers_outside_1_to_the_maximum_is_a_bad_field(workers):
+    with pytest.raises(P.ProtocolError) as err:
+        P.validate(P.Message(P.HELLO, {"role": "explorer", "name": "x",
+                                       "capabilities": {"broadcast_workers": workers}}))
+    assert err.value.code == "bad_field" and "$.capabilities.broadcast_workers" in err.value.message
+
+
+def _broadcast_publish(world: int, ranks: dict, workers: dict | None = None) -> P.Message:
+    broadcast = {"epoch": 1, "backend": "gloo", "address": "tcp://127.0.0.1:1", "world": world, "ranks": ranks,
+                 "version": 1, "digest": "d", "timeout_s": 5.0, **({"workers": workers} if workers else {})}
+    return P.Message(P.PUBLISH, {"version": 1, "method": "nccl", "location": "", "digest": "", "step": 1,
+                                 "broadcast": broadcast})
+
+
+@pytest.mark.parametrize("world,ranks,workers", [
+    (3, {"a": 1, "b": 2}, None),
+    (4, {"a": 1, "tp": 2}, {"tp": 2}),
+    (5, {"tp": 1, "a": 4}, {"tp": 3, "a": 1}),
+])
+def test_a_broadcast_whose_members_ranks_fit_the_world_is_valid(world, ranks, workers):
+    P.validate(_broadcast_publish(world, ranks, workers))
+
+
+@pytest.mark.parametrize("world,ranks,workers,named", [
+    (2, {"a": 0}, None, "'a' takes rank 0"),  # rank 0 is the trainer's
+    (2, {"a": 2}, None, "'a' takes rank 2"),
+    (3, {"a": 1, "b": 1}, None, "takes rank 1"),  # one rank, two members
+    (3, {"a": 1, "tp": 2}, {"tp": 2}, "'tp' takes ranks 2..3"),  # its second worker is outside the world
+    (4, {"tp": 1, "a": 2}, {"tp": 2}, "'tp' takes ranks 1..2"),  # its second worker's rank is a's
+    (3, {"a": 1}, {"b": 1}, "workers names ['b']"),
+])
+def test_a_broadcast_whose_ranks_do_not_fit_the_world_or_overlap_is_a_bad_field(world, ranks, workers, named):
+    with pytest.raises(P.ProtocolError) as err:
+        P.validate(_broadcast_publish(world, ranks, workers))
+    assert err.value.code == "bad_field" and named in err.value.message, err.value.message
+
+
 def test_decode_rejects_oversized_messages_before_parsing():
     with pytest.raises(P.ProtocolError) as err:
         P.decode(P.encode(P.STATUS, {}, [b"\0" * 1000]), max_message_bytes=500)

@@ -26,7 +26,7 @@ from rlbus.common.curve import make_keys  # noqa: E402
 from rlbus.weights.delta import apply_delta, make_delta  # noqa: E402
 from rlbus.weights.digest import weights_digest  # noqa: E402
 from rlbus.weights.fetch import SPARE, Base, FetchFailed, SpareWarmer, fetch_version, retire  # noqa: E402
-from rlbus.weights.server import CHUNK, MAGIC, MANIFEST, WeightServer  # noqa: E402
+from rlbus.weights.server import CHUNK, MAGIC, MANIFEST, MAX_REQUEST_BYTES, WeightServer  # noqa: E402
 from tests.conftest import REPO, free_port  # noqa: E402
 from tests.helpers.served import CHUNK_BYTES, publish_versions, state_of  # noqa: E402
 
@@ -367,6 +367,7 @@ def test_requests_name_versions_and_files_never_paths_and_bad_input_gets_an_erro
         # A field the request does not name, nested past what the decoder follows.
         ([MAGIC, MANIFEST, b"\x83\xa3req\x0c\xa7version\x01\xa1x" + b"\x91" * 30_000 + b"\x01"], "bad_request"),
         ([b"http/1.1", b"GET /"], "bad_request"),
+        ([MAGIC, MANIFEST, P.pack({"req": 12, "version": 1, "pad": "x" * MAX_REQUEST_BYTES})], "bad_request"),
     ]
     for frames, code in cases:
         command, header = ask(sock, frames)
