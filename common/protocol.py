@@ -241,8 +241,8 @@ def _check_ranks(b: messages.Broadcast) -> None:
     if strangers:
         raise ProtocolError("bad_field", f"PUBLISH broadcast: workers names {brief(strangers)}, which ranks does not")
     spans = sorted((rank, rank + workers.get(name, 1), name) for name, rank in b.ranks.items())
-    for (start, end, name), after in zip(spans, spans[1:] + [(b.world, b.world, "")], strict=True):
-        if not 1 <= start < end <= after[0]:
+    for i, (start, end, name) in enumerate(spans):
+        if not 1 <= start < end <= (spans[i + 1][0] if i + 1 < len(spans) else b.world):
             taken = f"ranks {start}..{end - 1}" if end - start > 1 else f"rank {start}"
             raise ProtocolError("bad_field", f"PUBLISH broadcast: {brief(name)} takes {taken}, outside 1..world-1 "
                                              f"(world {b.world}) or shared with another member")

@@ -91,6 +91,7 @@ def _broadcast_publish(world: int, ranks: dict, workers: dict | None = None) -> 
     (3, {"a": 1, "b": 2}, None),
     (4, {"a": 1, "tp": 2}, {"tp": 2}),
     (5, {"tp": 1, "a": 4}, {"tp": 3, "a": 1}),
+    (1, {}, None),  # no member: nothing to check
 ])
 def test_a_broadcast_whose_members_ranks_fit_the_world_is_valid(world, ranks, workers):
     P.validate(_broadcast_publish(world, ranks, workers))

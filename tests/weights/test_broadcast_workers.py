@@ -10,7 +10,10 @@ import multiprocessing as mp
 import threading
 
 import torch
+from hypothesis import given, strategies as st
 
+from rlbus.common import protocol as P
+from rlbus.weights.broadcaster import _ranks
 from rlbus.weights.sync import broadcast_source
 from tests.explorer.test_broadcast_sync import peers, publisher, tiny_weights, wait_for
 from tests.helpers import bcast_member
@@ -56,3 +59,13 @@ def test_an_explorer_with_two_workers_takes_a_rank_for_each(broker_factory, clie
             p.kill()
             p.join(10)
         pub.close()
+
+
+@given(st.dictionaries(st.text("abcdefgh", min_size=1, max_size=4), st.integers(1, 8), min_size=1, max_size=6))
+def test_the_ranks_the_trainer_hands_out_are_what_the_broker_admits(workers):
+    ranks, world = _ranks(tuple(sorted(workers.items())))
+    broadcast = {"epoch": 1, "backend": "gloo", "address": "tcp://127.0.0.1:1", "world": world, "ranks": ranks,
+                 "workers": workers, "version": 1, "digest": "d", "timeout_s": 5.0}
+    P.validate(P.Message(P.PUBLISH, {"version": 1, "method": "nccl", "location": "", "digest": "", "step": 1,
+                                     "broadcast": broadcast}))
+    assert world == 1 + sum(workers.values())
