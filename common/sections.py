@@ -1,7 +1,6 @@
 """The sections of a run's configuration, one per process or concern (`config.py` assembles and loads them).
 
-Every field has a docstring (shown by `rlbus config --help`-style tools and in errors) and a default that works on
-one machine."""
+Every field has a docstring (shown by `rlbus config` tools and in errors) and a default that works on one machine."""
 
 from __future__ import annotations
 
@@ -9,6 +8,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
+from rlbus.common.messages import MAX_WORKERS
 from rlbus.common.protocol import ENDPOINT
 
 
@@ -301,7 +301,7 @@ class ExplorerConfig(Section):
     kv_cache_mb: int | None = Field(None, gt=0)
     """Each worker's KV cache in MiB (vLLM kv_cache_memory_bytes), instead of what memory_fraction leaves: on CPU a
     share of the NUMA node's memory, which a small or resized host (virtio-mem, a balloon) can leave empty."""
-    tensor_parallel: int = Field(1, ge=1)
+    tensor_parallel: int = Field(1, ge=1, le=MAX_WORKERS)
     """vLLM tensor_parallel_size: the engine's workers (one GPU each) that split every layer. A weight broadcast
     reaches each worker, as a rank of its own."""
     streaming: bool = False
