@@ -9,6 +9,7 @@ from hypothesis import given, strategies as st
 
 from rlbus.common import messages as M, protocol as P
 from rlbus.common.trajectory import decode_payload, encode_payload
+from tests.helpers.announce import broadcast_publish
 
 
 def test_roundtrip_keeps_command_header_and_payloads():
@@ -80,13 +81,6 @@ def test_broadcast_workers_outside_1_to_the_maximum_is_a_bad_field(workers):
     assert err.value.code == "bad_field" and "$.capabilities.broadcast_workers" in err.value.message
 
 
-def _broadcast_publish(world: int, ranks: dict, workers: dict | None = None) -> P.Message:
-    broadcast = {"epoch": 1, "backend": "gloo", "address": "tcp://127.0.0.1:1", "world": world, "ranks": ranks,
-                 "version": 1, "digest": "d", "timeout_s": 5.0, **({"workers": workers} if workers else {})}
-    return P.Message(P.PUBLISH, {"version": 1, "method": "nccl", "location": "", "digest": "", "step": 1,
-                                 "broadcast": broadcast})
-
-
 @pytest.mark.parametrize("world,ranks,workers", [
     (3, {"a": 1, "b": 2}, None),
     (4, {"a": 1, "tp": 2}, {"tp": 2}),
@@ -94,7 +88,7 @@ def _broadcast_publish(world: int, ranks: dict, workers: dict | None = None) -> 
     (1, {}, None),  # no member: nothing to check
 ])
 def test_a_broadcast_whose_members_ranks_fit_the_world_is_valid(world, ranks, workers):
-    P.validate(_broadcast_publish(world, ranks, workers))
+    P.validate(broadcast_publish(world, ranks, workers))
 
 
 @pytest.mark.parametrize("world,ranks,workers,named", [
@@ -107,7 +101,7 @@ def test_a_broadcast_whose_members_ranks_fit_the_world_is_valid(world, ranks, wo
 ])
 def test_a_broadcast_whose_ranks_do_not_fit_the_world_or_overlap_is_a_bad_field(world, ranks, workers, named):
     with pytest.raises(P.ProtocolError) as err:
-        P.validate(_broadcast_publish(world, ranks, workers))
+        P.validate(broadcast_publish(world, ranks, workers))
     assert err.value.code == "bad_field" and named in err.value.message, err.value.message
 
 

@@ -17,6 +17,7 @@ from rlbus.weights.broadcaster import _ranks
 from rlbus.weights.sync import broadcast_source
 from tests.explorer.test_broadcast_sync import peers, publisher, tiny_weights, wait_for
 from tests.helpers import bcast_member
+from tests.helpers.announce import broadcast_publish
 
 
 def test_an_explorer_with_two_workers_takes_a_rank_for_each(broker_factory, clients, tiny_model, tmp_path):
@@ -64,8 +65,5 @@ def test_an_explorer_with_two_workers_takes_a_rank_for_each(broker_factory, clie
 @given(st.dictionaries(st.text("abcdefgh", min_size=1, max_size=4), st.integers(1, 8), min_size=1, max_size=6))
 def test_the_ranks_the_trainer_hands_out_are_what_the_broker_admits(workers):
     ranks, world = _ranks(tuple(sorted(workers.items())))
-    broadcast = {"epoch": 1, "backend": "gloo", "address": "tcp://127.0.0.1:1", "world": world, "ranks": ranks,
-                 "workers": workers, "version": 1, "digest": "d", "timeout_s": 5.0}
-    P.validate(P.Message(P.PUBLISH, {"version": 1, "method": "nccl", "location": "", "digest": "", "step": 1,
-                                     "broadcast": broadcast}))
+    P.validate(broadcast_publish(world, ranks, workers))
     assert world == 1 + sum(workers.values())
