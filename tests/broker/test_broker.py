@@ -146,15 +146,26 @@ def test_a_stalled_broker_keeps_the_peers_that_went_on_talking_and_drops_the_sil
     assert talker.request(P.LEASE, {"max_tasks": 1, "policy_version": 0}).command == P.TASKS
 
 
-def test_expired_lease_is_reissued(broker_factory, clients):
-    """A lease not completed within lease_timeout goes to the next explorer."""
-    b = broker_factory("broker.lease_timeout_s=0.5")
-    a = clients(b, "explorer", "slow")
-    first = a.request(P.LEASE, {"max_tasks": 1, "policy_version": 0}).header["tasks"][0]
+@pytest.mark.parametrize("late_first", [False, True])
+def test_a_group_for_a_lapsed_lease_is_still_stored_and_so_is_the_reissued_one(broker_factory, clients, late_first):
+    """A lease not completed within lease_timeout goes to the next explorer under a new lease id. The lapsed
+    lease's group, PUT late, is still kept (its samples are valid for their version), and so is the group of the
+    lease issued in its place, in either order: the task is done once, and the trainer gets both groups."""
+    b = broker_factory("broker.lease_timeout_s=0.5", "data.batch_tasks=1")
+    slow = clients(b, "explorer", "slow")
+    first = slow.request(P.LEASE, {"max_tasks": 1, "policy_version": 0}).header["tasks"][0]
     time.sleep(1.0)
-    other = clients(b, "explorer", "fast")
-    got = other.request(P.LEASE, {"max_tasks": 1, "policy_version": 0}).header["tasks"][0]
-    assert got["seq"] == first["seq"] and got["lease_id"] != first["lease_id"]
+    fast = clients(b, "explorer", "fast")
+    again = fast.request(P.LEASE, {"max_tasks": 1, "policy_version": 0}).header["tasks"][0]
+    assert again["seq"] == first["seq"] and again["lease_id"] != first["lease_id"]
+    puts = [(fast, again["lease_id"]), (slow, first["lease_id"])]
+    for client, lease in reversed(puts) if late_first else puts:
+        assert len(client.put(group(lease, size=2), timeout=5)["stored"]) == 2
+    tasks = status(slow)["tasks"]
+    assert (tasks["issued"], tasks["leased"], tasks["done"]) == (1, 0, 1)
+    trainer = clients(b, "trainer", "tr")
+    batch = trainer.request(P.FETCH, {"step": 0, "max_groups": 4, "min_groups": 2})
+    assert sorted(g["group_id"] for g in batch.header["groups"]) == sorted([again["lease_id"], first["lease_id"]])
 
 
 def test_duplicate_puts_are_stored_once(broker, clients):
