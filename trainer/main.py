@@ -134,6 +134,7 @@ class Trainer(Learner):
         total_s = time.monotonic() - step_started
         self._log_step(reply, batch, metrics, wait_s, compute_s, publish_s, total_s, published)
         self.step += 1
+        self.client.policy_version = self.version  # the weights it holds, as its HEARTBEATs (and STATUS) say
         bind(step=self.step, policy_version=self.version)
         return True
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ import torch
 from structlog.testing import capture_logs
 
 from rlbus.common import protocol as P
+from rlbus.common.client import BrokerClient
 from rlbus.common.config import load_config
 from rlbus.common.trajectory import encode_payload
 from rlbus.weights.sync import load_checkpoint
@@ -98,6 +100,30 @@ def test_trainer_steps_publish_and_published_weights_match_in_transformers_and_v
         assert torch.allclose(want, torch.tensor(sample.logprobs), atol=2e-3), (want, sample.logprobs)
     finally:
         load_checkpoint(engine, tiny_model, weights_digest(tiny_model), 0)
+
+
+def test_status_lists_the_trainer_with_the_version_it_holds(broker_factory, clients, tiny_model, tmp_path):
+    """The trainer's HEARTBEATs carry the version of its weights after each step, so STATUS shows it, not the
+    version it started with."""
+    trainer = fed_trainer(broker_factory, clients, tiny_model, tmp_path, groups=4, staleness=4, steps=2)
+    tool = BrokerClient(trainer.cfg.broker.address, "tool", "look")
+    tool.start(10)
+    trainer.connect()
+    try:
+        for _ in range(2):
+            assert trainer.run_step()
+        deadline = time.monotonic() + 10
+        while trainer_version(tool) != 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert trainer_version(tool) == 2
+    finally:
+        trainer.client.close(bye=True)
+        trainer.publisher.close()
+        tool.close(bye=True)
+
+
+def trainer_version(tool) -> int:
+    return next(p["policy_version"] for p in tool.request(P.STATUS).header["peers"] if p["role"] == "trainer")
 
 
 def test_stale_trajectories_are_never_trained_on(broker_factory, clients, tiny_model, tmp_path):
