@@ -14,6 +14,7 @@ line; nothing a peer sends can stop the loop or lose acknowledged data.
 
 from __future__ import annotations
 
+import sqlite3
 import time
 import uuid
 from typing import Any, Callable
@@ -73,8 +74,8 @@ class Broker:
         self.bus = WeightBus(self.pub, self.store, bcfg.republish_interval_s)
         anyone = tuple(sorted(P.ROLES))
         self.handlers: dict[str, tuple[Callable[[Peer, P.Message], None], tuple[str, ...]]] = {
-            P.HEARTBEAT: (self._heartbeat, anyone), P.BYE: (self._bye, anyone), P.STATUS: (self._status, anyone),
-            P.LEASE: (self._lease, ("explorer",)),
+            P.HEARTBEAT: (self._heartbeat, anyone), P.STATUS: (self._status, anyone),
+            P.BYE: (lambda p, m: self._drop(p, "bye"), anyone), P.LEASE: (self._lease, ("explorer",)),
             P.FETCH: (self.buffer.fetch, ("trainer",)), P.COMMIT: (self.buffer.commit, ("trainer",)),
             P.PUBLISH: (self._publish, ("trainer",)), P.SWAP: (self._swap, ("explorer",)),
             P.EVAL: (lambda p, m: self.rewards.submit(p.identity, m), anyone),
@@ -252,16 +253,12 @@ class Broker:
             "liveness": self.cfg.broker.liveness, "weights": self.bus.state, "credit": self.buffer.credit(),
             "max_message_bytes": self.cfg.broker.max_message_bytes, "rollout": self.rollout.settings,
             "sync": {"sync_style": s.sync_style, "sync_interval": s.sync_interval, "sync_offset": s.sync_offset,
-                     "max_staleness": s.max_staleness, "sync_method": s.sync_method,
-                     "max_swapping": s.max_swapping,
+                     "max_staleness": s.max_staleness, "sync_method": s.sync_method, "max_swapping": s.max_swapping,
                      "batch_tasks": self.cfg.data.batch_tasks, "repeat": self.cfg.rollout.repeat}})
 
     def _heartbeat(self, peer: Peer, msg: P.Message) -> None:
         if "policy_version" in msg.header:
             peer.policy_version = msg.header["policy_version"]
-
-    def _bye(self, peer: Peer, msg: P.Message) -> None:
-        self._drop(peer, "bye")
 
     def _drop(self, peer: Peer, reason: str) -> None:
         self.peers.remove(peer)
@@ -303,8 +300,12 @@ class Broker:
         if self.awaiting_explorers():  # a fresh run starts its explorers together
             return self.reply(peer.identity, msg, P.WAIT, {"reason": "explorers", "retry_after_s": self.hb})
         max_tasks = min(msg.header["max_tasks"], max(1, room // self.cfg.rollout.repeat))
-        granted = self.tasks.lease(peer.name, max_tasks, now, lambda e: self.refusal(e, version) is None, req,
-                                   peer.info["session"])
+        try:
+            granted = self.tasks.lease(peer.name, max_tasks, now, lambda e: self.refusal(e, version) is None, req,
+                                       peer.info["session"])
+        except (sqlite3.OperationalError, OSError) as exc:  # the lease could not be recorded: none was made
+            return self.reply(peer.identity, msg, P.ERROR, {"code": "storage_error",
+                                                         "message": f"no task leased, resend later: {exc}"})
         if granted:
             log.info("tasks_leased", peer=peer.name, n=len(granted), batch_index=self.tasks.batch_of(granted[0][0].seq),
                      policy_version=version, depth=self.store.depth)

@@ -152,16 +152,17 @@ class TaskQueue:
         """The task issued as `seq`, and how many times it was issued before."""
         return self.revisited.get(seq) or (self.taskset.task(self._fresh(seq)), 0)
 
-    def _take_revisit(self, seq: int) -> int | None:
-        """Make the new `seq` a waiting revisit when its slot takes one and one is ready: its row, else None."""
+    def _take_revisit(self, seq: int) -> tuple[int, dict[str, Any], int, int] | None:
+        """Make the new `seq` a waiting revisit when its slot takes one and one is ready: the entry taken from
+        `waiting` (its row first), else None."""
         batch = self.batch_of(seq)
         if seq % self.batch_tasks < self.batch_tasks - self.revisit_slots or not self.waiting \
                 or self.waiting[0][3] > batch:
             return None
-        row, task, times, _ = self.waiting.popleft()
-        self.revisited[seq] = (task, times)
+        entry = self.waiting.popleft()
+        self.revisited[seq] = entry[1:3]
         self.revisit_seqs.append(seq)  # the newest seq: the list stays sorted
-        return row
+        return entry
 
     def batch_of(self, seq: int) -> int:
         return seq // self.batch_tasks
@@ -185,7 +186,8 @@ class TaskQueue:
         """Lease up to `max_tasks` tasks, in seq order, while `admit(batch_index)` allows; `req` and `session`: the
         request granted and its holder's session (`granted`, `claim`)."""
         out: list[tuple[Lease, dict[str, Any]]] = []
-        rows, revisits = [], []
+        rows, revisits, taken = [], [], []
+        fresh_from, free_before = self.next_seq, list(self.free)
         while len(out) < max_tasks:
             batch = self.next_batch()
             if batch is None or not admit(batch):
@@ -195,9 +197,10 @@ class TaskQueue:
             else:
                 seq = self.next_seq
                 self.next_seq += 1
-                row = self._take_revisit(seq)
-                if row is not None:
-                    revisits.append((row, seq))
+                entry = self._take_revisit(seq)
+                if entry is not None:
+                    revisits.append((entry[0], seq))
+                    taken.append((entry, seq))
             attempt = self.attempts.get(seq, -1) + 1
             self.attempts[seq] = attempt
             lease = Lease(lease_id(seq, attempt), seq, holder, now + self.lease_s, req, session)
@@ -205,7 +208,21 @@ class TaskQueue:
             rows.append((seq, lease.lease_id, holder, lease.expires, attempt, req, session))
             out.append((lease, self.task(seq)[0]))
         if rows:
-            self.catalog.lease(rows, revisits)
+            try:
+                self.catalog.lease(rows, revisits)
+            except Exception:  # not recorded (a full disk): nothing is leased, the queue is as it was
+                for seq, lid, _, _, attempt, _, _ in rows:
+                    del self.leases[lid]
+                    if attempt:
+                        self.attempts[seq] = attempt - 1
+                    else:
+                        del self.attempts[seq]
+                self.next_seq, self.free = fresh_from, free_before
+                for entry, seq in reversed(taken):
+                    del self.revisited[seq]
+                    self.revisit_seqs.remove(seq)
+                    self.waiting.appendleft(entry)
+                raise
         return out
 
     def complete(self, group_id: str, informative: bool = False) -> None:
@@ -214,17 +231,17 @@ class TaskQueue:
         seq = seq_of(group_id)
         if seq is None or seq in self.done or seq >= self.next_seq:
             return
-        for lid in [lid for lid, lease in self.leases.items() if lease.seq == seq]:
-            del self.leases[lid]
-        if seq in self.free:
-            self.free.remove(seq)
-            heapq.heapify(self.free)
         revisit = None
         if informative and self.revisit_slots:
             task, times = self.task(seq)
             if times < self.revisit_times:
                 revisit = (task, times + 1, self.batch_of(seq) + 2)
-        row = self.catalog.task_done(seq, revisit)
+        row = self.catalog.task_done(seq, revisit)  # recorded first: if it fails, nothing here has changed
+        for lid in [lid for lid, lease in self.leases.items() if lease.seq == seq]:
+            del self.leases[lid]
+        if seq in self.free:
+            self.free.remove(seq)
+            heapq.heapify(self.free)
         if revisit is not None:
             self.waiting.append((row, *revisit))
         self._mark_done(seq)
@@ -234,11 +251,11 @@ class TaskQueue:
         self.done_per_batch[self.batch_of(seq)] += 1
 
     def _release(self, leases: list[Lease]) -> list[Lease]:
+        if leases:
+            self.catalog.release([lease.seq for lease in leases])  # recorded first, as in `lease` and `complete`
         for lease in leases:
             del self.leases[lease.lease_id]
             heapq.heappush(self.free, lease.seq)
-        if leases:
-            self.catalog.release([lease.seq for lease in leases])
         return leases
 
     def release_holder(self, holder: str) -> list[Lease]:

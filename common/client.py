@@ -13,7 +13,10 @@ on any thread submit requests and get futures back. The thread:
 - resends every request still waiting for its reply after each WELCOME:
   PUTs are idempotent by trajectory id, so a resend can never store twice;
 - holds PUTs back while the broker's credit is used up, and resends the ids
-  an ACK deferred once credit returns: nothing is dropped.
+  an ACK deferred once credit returns: nothing is dropped;
+- resends a request the broker could not write for (`storage_error`: a
+  full or failing disk; a PUT or a LEASE) after a backoff, until the peer is
+  stopping.
 
 The thread's half lives in `connection.py`. Request timeouts bound how long a caller waits; a PUT stays pending (and is
 resent) until it is acknowledged unless its caller gives up on it.

@@ -49,6 +49,7 @@ class _Request:
     # PUT bookkeeping: results gathered across ACKs and deferrals.
     stored: list[str] = field(default_factory=list)
     duplicate: list[str] = field(default_factory=list)
+    refusals: int = 0  # `storage_error`s: the broker could not write what this request needed
 
     @property
     def size(self) -> int:
@@ -86,6 +87,7 @@ class Connection:
     def _run(self) -> None:
         self._pending: dict[int, _Request] = {}
         self._held: deque[_Request] = deque()
+        self._later: list[tuple[float, _Request]] = []  # requests the broker could not store, when to resend each
         self._welcome_ok = False
         self._backoff = self.backoff_initial
         self._last_send = 0.0
@@ -129,11 +131,12 @@ class Connection:
                 continue
             if request.command == P.BYE:
                 # Nothing will answer what is still outstanding: say so rather than leave callers waiting.
-                for waiting in [*self._pending.values(), *self._held]:
+                for waiting in [*self._pending.values(), *self._held, *(r for _, r in self._later)]:
                     if not waiting.future.done():
                         waiting.future.set_exception(ConnectionError("the client said BYE before a reply came"))
                 self._pending.clear()
                 self._held.clear()
+                self._later.clear()
                 if self._welcome_ok:
                     self._send(P.BYE, {})
                 self._bye_sent.set()
@@ -201,7 +204,9 @@ class Connection:
         del self._pending[request.req]
         if request.future.cancelled():
             return self._flush()
-        if msg.command == P.ERROR:
+        if msg.command == P.ERROR and h.get("code") == "storage_error" and not self._stopping:
+            self._resend_later(request, h.get("message", ""))
+        elif msg.command == P.ERROR:
             request.future.set_exception(BrokerError(h.get("code", "?"), h.get("message", "")))
         elif msg.command == P.ACK and request.command == P.PUT:
             self._on_ack(request, h)
@@ -225,6 +230,16 @@ class Connection:
         request.req = next(self._ids)
         request.header["req"] = request.req
         self._held.appendleft(request)
+
+    def _resend_later(self, request: _Request, reason: str) -> None:
+        """The broker could not write what a request needed (a PUT's trajectories, a LEASE's record), and so did
+        nothing: send it again after a backoff that doubles with each refusal, up to `backoff_max`, for as long
+        as the peer is not stopping: a disk that filled up may be given space, and a failing one may recover."""
+        request.refusals += 1
+        delay = min(self.backoff_max, self.backoff_initial * 2 ** min(request.refusals, 32))
+        log.warning("broker_storage_error", peer=self.name, command=request.command, reason=reason,
+                    refusals=request.refusals, retry_in_s=round(delay, 2))
+        self._later.append((time.monotonic() + delay, request))
 
     def _on_welcome(self, h: dict[str, Any]) -> None:
         self.welcome = h
@@ -293,23 +308,33 @@ class Connection:
         with self._lock:
             outbox = list(self._outbox)
             self._outbox.clear()
-        for request in [*self._pending.values(), *self._held, *outbox]:
+        for request in [*self._pending.values(), *self._held, *(r for _, r in self._later), *outbox]:
             if not request.future.done():
                 request.future.set_exception(error)
         self._pending.clear()
         self._held.clear()
+        self._later.clear()
 
     def _timers(self) -> None:
         now = time.monotonic()
         if self._retry_hello_at and now >= self._retry_hello_at:
             self._retry_hello_at = 0.0
             self._rehello()
+        if self._later and now >= min(at for at, _ in self._later):
+            due = [r for at, r in self._later if at <= now]
+            self._later = [(at, r) for at, r in self._later if at > now]
+            for request in reversed(due):  # ahead of what is held: they were sent first
+                request.req = next(self._ids)
+                request.header["req"] = request.req
+                self._held.appendleft(request)
+            self._flush()
         silent = now - self._last_recv
         # Stopping, what waits fails once the broker has said nothing for the window since it was asked (with
         # nothing waiting, say mid-rollout, a silent broker is only reconnected to, as at any time): a broker
         # that a busy host starves for a moment costs no finished batch.
         with self._lock:
-            waiting = [*self._pending.values(), *self._held, *self._outbox] if self._stopping else []
+            waiting = [*self._pending.values(), *self._held, *(r for _, r in self._later), *self._outbox] \
+                if self._stopping else []
         asked = min((r.submitted for r in waiting), default=now)
         if waiting and now - max(self._last_recv, asked) > self.liveness * self.hb:
             log.warning("broker_lost_while_stopping", peer=self.name, silent_s=round(silent, 2),

@@ -199,13 +199,15 @@ class Explorer:
             if self.cfg.explorer.eval_every:  # the newest weights, once more, for the run's last word
                 self._load_newest()
                 self.evaluate(force=True)
-        except BrokerUnreachable as exc:
-            if not self.stop_event.is_set():
-                raise
-            # Stopped with the broker gone: groups not ACKed are not stored; their leases expire at the
-            # broker, which hands the tasks out again.
+        except (BrokerUnreachable, BrokerError) as exc:
+            unstored = isinstance(exc, BrokerError) and exc.code == "storage_error"
+            if not self.stop_event.is_set() or not (unstored or isinstance(exc, BrokerUnreachable)):
+                raise  # anything else, or while running (the client resends an unstored PUT until stopping)
+            # Stopped with the broker gone, or unable to store: groups not ACKed are not stored; their leases
+            # expire at the broker, which hands the tasks out again.
             unacked = sum(1 for f in pending if not f.done() or f.exception() is not None)
-            log.warning("stopped_without_broker", puts_unacknowledged=unacked, error=str(exc))
+            log.warning("stopped_with_puts_unstored" if unstored else "stopped_without_broker",
+                        puts_unacknowledged=unacked, error=str(exc))
         finally:
             self._activity.emit(self.engine.in_flight)
             self.receiver.close()

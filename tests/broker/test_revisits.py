@@ -3,6 +3,8 @@ broker's catalogue keeps which seq holds which task across a restart."""
 
 from __future__ import annotations
 
+import pytest
+
 from rlbus.broker.catalog import Catalog
 from rlbus.broker.tasks import TaskQueue
 from rlbus.common import protocol as P
@@ -43,6 +45,40 @@ def test_informative_tasks_come_again_two_batches_later_in_the_last_slots_and_su
     assert [t[1] for t in again.waiting] == [TASKSET.task(8)]
     # The next fresh task follows the last one issued, whatever came between.
     assert lease_batch(again, 1) == [(12, TASKSET.task(10))]
+
+
+def test_a_lease_that_cannot_be_recorded_leaves_the_queue_as_it_was(tmp_path):
+    """The catalogue refusing a lease's record (a full disk) undoes everything that lease took: a lapsed seq,
+    fresh seqs, a waiting revisit and their attempt numbers. The next lease is the one it would have been."""
+    import sqlite3
+
+    def prepared(name: str) -> TaskQueue:
+        q = queue(Catalog(tmp_path / name, fsync=False))
+        first = lease_batch(q)
+        for seq, _ in first[1:]:
+            q.complete(f"t{seq}.0", informative=seq == 2)
+        lease_batch(q)
+        q.expire(float("inf"))  # the leases out (seqs 0, 4-7) lapse: the next lease takes them again first
+        return q
+
+    q, twin = prepared("q.sqlite3"), prepared("twin.sqlite3")
+    state = lambda q: (q.next_seq, sorted(q.free), dict(q.attempts), dict(q.leases), list(q.waiting),  # noqa: E731
+                       dict(q.revisited), list(q.revisit_seqs))
+    before = state(q)
+
+    def full(*_):
+        raise sqlite3.OperationalError("database or disk is full")
+
+    q.catalog.lease, real = full, q.catalog.lease
+    with pytest.raises(sqlite3.OperationalError):
+        q.lease("ex", 8, 0.0, lambda batch: True)
+    assert state(q) == before
+    q.catalog.lease = real
+    got = q.lease("ex", 8, 0.0, lambda batch: True)
+    want = twin.lease("ex", 8, 0.0, lambda batch: True)
+    assert [(lz.lease_id, t) for lz, t in got] == [(lz.lease_id, t) for lz, t in want]
+    assert [lz.lease_id for lz, _ in got] == ["t0.1", "t4.1", "t5.1", "t6.1", "t7.1", "t8.0", "t9.0", "t10.0"]
+    assert got[-1][1] == TASKSET.task(2), "seq 10 is the revisit of task 2"
 
 
 def test_without_revisits_a_seq_is_its_taskset_index_and_a_finite_taskset_ends(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import socket
 import time
@@ -10,8 +11,8 @@ import time
 import pytest
 
 from rlbus.common import protocol as P
-from rlbus.common.client import BrokerClient, BrokerUnreachable, default_name
-from tests.conftest import group
+from rlbus.common.client import BrokerClient, BrokerError, BrokerUnreachable, default_name
+from tests.conftest import group, traj
 
 
 def test_idle_client_stays_registered_through_heartbeats(broker, clients):
@@ -94,3 +95,55 @@ def test_a_stopping_client_still_finishes_with_a_broker_that_answers(broker, cli
     c.stopping()
     time.sleep(0.2 * 5 * 2)  # twice liveness x interval: heartbeats keep it alive
     assert sorted(c.put(group("last"), timeout=10)["stored"]) == ["last.0", "last.1"]
+
+
+def refused_for_storage(broker) -> int:
+    return sum(1 for e in broker.log_events() if e["event"] == "request_refused" and e["code"] == "storage_error")
+
+
+def test_a_put_the_broker_could_not_write_is_resent_until_stored_and_given_up_on_once_stopping(broker, clients):
+    """A broker that cannot write (here: a file size limit, as a full disk) answers `storage_error`; the client
+    resends that PUT after a backoff until it is stored, and its caller sees only the ACK. Once the peer is
+    stopping, a refusal fails the PUT instead, so that a stopping peer does not wait on a disk."""
+    limit = 2 << 20  # the first segment's first 2 MiB: a PUT of 3 MiB cannot be written
+    resource.prlimit(broker.proc.pid, resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+    c = clients(broker, "explorer", "persistent", backoff_max_s=0.2)
+    big = [traj(f"big.{i}", "big", 2, payload=bytes([i]) * (3 << 19)) for i in range(2)]
+    pending = c.put_async(big)
+    deadline = time.monotonic() + 10
+    while refused_for_storage(broker) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert refused_for_storage(broker) >= 3 and not pending.done()
+    resource.prlimit(broker.proc.pid, resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    assert sorted(pending.result(10)["stored"]) == ["big.0", "big.1"]
+    trainer = clients(broker, "trainer", "tr")
+    batch = trainer.request(P.FETCH, {"step": 0, "max_groups": 1})
+    assert [bytes(p) for p in P.split_payloads(batch.header["groups"][0]["trajectories"], batch.payloads)] == \
+        [p for _, p in big]
+
+    resource.prlimit(broker.proc.pid, resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))  # past it now
+    c.stopping()
+    with pytest.raises(BrokerError, match="storage_error"):
+        c.put([traj(f"late.{i}", "late", 2, payload=bytes(3 << 19)) for i in range(2)], timeout=10)
+
+
+def test_a_lease_the_broker_could_not_record_leases_nothing_and_is_resent_until_it_can(broker, clients):
+    """A broker whose catalogue cannot be written (the limit lies below where its next record goes, above its
+    logs) answers a LEASE `storage_error` with nothing leased; the client resends it, and once the broker can
+    write, the tasks granted are the ones the first LEASE would have had."""
+    c = clients(broker, "explorer", "patient", backoff_max_s=0.2)
+    tool = clients(broker, "tool", "look")
+    logs = max((broker.data_dir / name).stat().st_size for name in ("broker.jsonl", "broker.stderr"))
+    limit = logs + (16 << 10)
+    assert (broker.data_dir / "buffer.sqlite3-wal").stat().st_size > limit, "the catalogue's next record lies past it"
+    resource.prlimit(broker.proc.pid, resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+    pending = c.submit(P.LEASE, {"max_tasks": 2, "policy_version": 0})
+    deadline = time.monotonic() + 10
+    while refused_for_storage(broker) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert refused_for_storage(broker) >= 3 and not pending.done()
+    assert tool.request(P.STATUS).header["tasks"] == {"issued": 0, "leased": 0, "done": 0, "revisits": 0}
+    resource.prlimit(broker.proc.pid, resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    reply = pending.result(10)
+    assert reply.command == P.TASKS and [t["lease_id"] for t in reply.header["tasks"]] == ["t0.0", "t1.0"]
+    assert tool.request(P.STATUS).header["tasks"]["leased"] == 2

@@ -226,3 +226,50 @@ def test_trajectory_metadata_passes_the_broker_schema(engine):
     frame = P.join_payloads(metas, [p for _, p in groups[0]])
     P.validate(P.Message(P.PUT, {"trajectories": metas}, [frame]))
     assert all(math.isfinite(m["reward"]) for m in metas)
+
+
+def test_an_explorer_rides_out_a_broker_that_cannot_write_and_stops_with_what_it_could_not_store(
+        broker_factory, clients, engine):
+    """While the broker cannot write (a file size limit below its segment's end, as a full disk), the explorer
+    keeps its PUTs and goes on; once the broker can write again they are stored. Told to stop while the broker
+    cannot write, it gives up on what it could not store and stops cleanly, saying so."""
+    import resource
+
+    from structlog.testing import capture_logs
+
+    from tests.conftest import traj
+
+    b = broker_factory("sync.sync_style=async", "sync.max_staleness=100", "rollout.repeat=4", "data.batch_tasks=2")
+    filler = clients(b, "explorer", "filler")
+    filler.put([traj(f"fill.{i}", "fill", 4, payload=bytes(1 << 20)) for i in range(4)], timeout=10)
+    full, unlimited = (2 << 20, resource.RLIM_INFINITY), (resource.RLIM_INFINITY, resource.RLIM_INFINITY)
+    tool = clients(b, "tool", "watch")
+    stored = lambda: tool.request(P.STATUS).header["buffer"]["stored"]  # noqa: E731
+    refused = lambda: sum(1 for e in b.log_events() if e["event"] == "request_refused"  # noqa: E731
+                          and e["code"] == "storage_error" and e["peer"] == "patient")
+
+    def until(what, check, timeout=60):
+        deadline = time.monotonic() + timeout
+        while not check():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            time.sleep(0.05)
+
+    resource.prlimit(b.proc.pid, resource.RLIMIT_FSIZE, full)
+    ex = Explorer(explorer_config(b, "sync.sync_style=async"), engine, name="patient")
+    with capture_logs() as logs:
+        runner = threading.Thread(target=ex.run, daemon=True)
+        runner.start()
+        until("PUTs refused", lambda: refused() >= 3)
+        assert runner.is_alive() and stored() == 4
+        resource.prlimit(b.proc.pid, resource.RLIMIT_FSIZE, unlimited)
+        until("the explorer's groups stored", lambda: stored() >= 4 + 8)
+        resource.prlimit(b.proc.pid, resource.RLIMIT_FSIZE, full)
+        seen = refused()
+        until("a PUT refused again", lambda: refused() > seen)
+        ex.stop()
+        runner.join(60)
+        assert not runner.is_alive()
+    gave_up = [e for e in logs if e["event"] == "stopped_with_puts_unstored"]
+    assert len(gave_up) == 1 and "storage_error" in gave_up[0]["error"]
+    assert any(e["event"] == "broker_storage_error" and e["command"] == "PUT" for e in logs)
+    assert "patient" not in {p["name"] for p in tool.request(P.STATUS).header["peers"]}, "it said BYE"
