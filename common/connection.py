@@ -131,12 +131,7 @@ class Connection:
                 continue
             if request.command == P.BYE:
                 # Nothing will answer what is still outstanding: say so rather than leave callers waiting.
-                for waiting in [*self._pending.values(), *self._held, *(r for _, r in self._later)]:
-                    if not waiting.future.done():
-                        waiting.future.set_exception(ConnectionError("the client said BYE before a reply came"))
-                self._pending.clear()
-                self._held.clear()
-                self._later.clear()
+                self._fail_outstanding(ConnectionError("the client said BYE before a reply came"))
                 if self._welcome_ok:
                     self._send(P.BYE, {})
                 self._bye_sent.set()
@@ -308,7 +303,14 @@ class Connection:
         with self._lock:
             outbox = list(self._outbox)
             self._outbox.clear()
-        for request in [*self._pending.values(), *self._held, *(r for _, r in self._later), *outbox]:
+        self._fail_outstanding(error, outbox)
+
+    def _outstanding(self) -> list[_Request]:
+        """Requests sent and unanswered, held back, or waiting to be resent."""
+        return [*self._pending.values(), *self._held, *(r for _, r in self._later)]
+
+    def _fail_outstanding(self, error: Exception, also: list[_Request] | None = None) -> None:
+        for request in [*self._outstanding(), *(also or [])]:
             if not request.future.done():
                 request.future.set_exception(error)
         self._pending.clear()
@@ -333,8 +335,7 @@ class Connection:
         # nothing waiting, say mid-rollout, a silent broker is only reconnected to, as at any time): a broker
         # that a busy host starves for a moment costs no finished batch.
         with self._lock:
-            waiting = [*self._pending.values(), *self._held, *(r for _, r in self._later), *self._outbox] \
-                if self._stopping else []
+            waiting = [*self._outstanding(), *self._outbox] if self._stopping else []
         asked = min((r.submitted for r in waiting), default=now)
         if waiting and now - max(self._last_recv, asked) > self.liveness * self.hb:
             log.warning("broker_lost_while_stopping", peer=self.name, silent_s=round(silent, 2),

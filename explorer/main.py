@@ -201,7 +201,7 @@ class Explorer:
                 self.evaluate(force=True)
         except (BrokerUnreachable, BrokerError) as exc:
             unstored = isinstance(exc, BrokerError) and exc.code == "storage_error"
-            if not self.stop_event.is_set() or not (unstored or isinstance(exc, BrokerUnreachable)):
+            if not (self.stop_event.is_set() and (unstored or isinstance(exc, BrokerUnreachable))):
                 raise  # anything else, or while running (the client resends an unstored PUT until stopping)
             # Stopped with the broker gone, or unable to store: groups not ACKed are not stored; their leases
             # expire at the broker, which hands the tasks out again.

@@ -13,6 +13,7 @@ import pytest
 from rlbus.common import protocol as P
 from rlbus.common.client import BrokerClient, BrokerError, BrokerUnreachable, default_name
 from tests.conftest import group, traj
+from tests.helpers.waiting import wait_for
 
 
 def test_idle_client_stays_registered_through_heartbeats(broker, clients):
@@ -110,10 +111,8 @@ def test_a_put_the_broker_could_not_write_is_resent_until_stored_and_given_up_on
     c = clients(broker, "explorer", "persistent", backoff_max_s=0.2)
     big = [traj(f"big.{i}", "big", 2, payload=bytes([i]) * (3 << 19)) for i in range(2)]
     pending = c.put_async(big)
-    deadline = time.monotonic() + 10
-    while refused_for_storage(broker) < 3 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert refused_for_storage(broker) >= 3 and not pending.done()
+    wait_for(lambda: refused_for_storage(broker) >= 3, 10, "three refusals")
+    assert not pending.done()
     resource.prlimit(broker.proc.pid, resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
     assert sorted(pending.result(10)["stored"]) == ["big.0", "big.1"]
     trainer = clients(broker, "trainer", "tr")
@@ -138,10 +137,8 @@ def test_a_lease_the_broker_could_not_record_leases_nothing_and_is_resent_until_
     assert (broker.data_dir / "buffer.sqlite3-wal").stat().st_size > limit, "the catalogue's next record lies past it"
     resource.prlimit(broker.proc.pid, resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
     pending = c.submit(P.LEASE, {"max_tasks": 2, "policy_version": 0})
-    deadline = time.monotonic() + 10
-    while refused_for_storage(broker) < 3 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert refused_for_storage(broker) >= 3 and not pending.done()
+    wait_for(lambda: refused_for_storage(broker) >= 3, 10, "three refusals")
+    assert not pending.done()
     assert tool.request(P.STATUS).header["tasks"] == {"issued": 0, "leased": 0, "done": 0, "revisits": 0}
     resource.prlimit(broker.proc.pid, resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
     reply = pending.result(10)

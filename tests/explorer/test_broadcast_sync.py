@@ -21,6 +21,7 @@ from rlbus.explorer.main import Explorer
 from rlbus.logview import events
 from tests.conftest import REPO, TINY_KV_MB, reap
 from tests.explorer.test_explorer import explorer_config
+from tests.helpers.waiting import wait_for
 
 pytestmark = pytest.mark.slow  # starts engines or trains
 
@@ -42,15 +43,6 @@ def tiny_weights(tmp_path: Path, tiny_model: str, seed: int):
 
     return AutoModelForCausalLM.from_pretrained(make_tiny(tmp_path / f"w{seed}", tiny_model, seed=seed),
                                                 dtype=torch.float32)
-
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def assert_generates_like(engine, model) -> None:

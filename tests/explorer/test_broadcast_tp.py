@@ -9,7 +9,8 @@ import threading
 import pytest
 
 from tests.conftest import TINY_KV_MB
-from tests.explorer.test_broadcast_sync import assert_generates_like, peers, publisher, tiny_weights, wait_for
+from tests.explorer.test_broadcast_sync import assert_generates_like, peers, publisher, tiny_weights
+from tests.helpers.waiting import wait_for
 from tests.explorer.test_explorer import explorer_config
 
 pytestmark = pytest.mark.slow  # starts engines or trains

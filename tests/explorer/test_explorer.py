@@ -238,6 +238,7 @@ def test_an_explorer_rides_out_a_broker_that_cannot_write_and_stops_with_what_it
     from structlog.testing import capture_logs
 
     from tests.conftest import traj
+    from tests.helpers.waiting import wait_for
 
     b = broker_factory("sync.sync_style=async", "sync.max_staleness=100", "rollout.repeat=4", "data.batch_tasks=2")
     filler = clients(b, "explorer", "filler")
@@ -248,24 +249,18 @@ def test_an_explorer_rides_out_a_broker_that_cannot_write_and_stops_with_what_it
     refused = lambda: sum(1 for e in b.log_events() if e["event"] == "request_refused"  # noqa: E731
                           and e["code"] == "storage_error" and e["peer"] == "patient")
 
-    def until(what, check, timeout=60):
-        deadline = time.monotonic() + timeout
-        while not check():
-            assert time.monotonic() < deadline, f"timed out waiting for {what}"
-            time.sleep(0.05)
-
     resource.prlimit(b.proc.pid, resource.RLIMIT_FSIZE, full)
     ex = Explorer(explorer_config(b, "sync.sync_style=async"), engine, name="patient")
     with capture_logs() as logs:
         runner = threading.Thread(target=ex.run, daemon=True)
         runner.start()
-        until("PUTs refused", lambda: refused() >= 3)
+        wait_for(lambda: refused() >= 3, 60, "PUTs refused")
         assert runner.is_alive() and stored() == 4
         resource.prlimit(b.proc.pid, resource.RLIMIT_FSIZE, unlimited)
-        until("the explorer's groups stored", lambda: stored() >= 4 + 8)
+        wait_for(lambda: stored() >= 4 + 8, 60, "the explorer's groups stored")
         resource.prlimit(b.proc.pid, resource.RLIMIT_FSIZE, full)
         seen = refused()
-        until("a PUT refused again", lambda: refused() > seen)
+        wait_for(lambda: refused() > seen, 60, "a PUT refused again")
         ex.stop()
         runner.join(60)
         assert not runner.is_alive()

@@ -15,9 +15,10 @@ from hypothesis import given, strategies as st
 from rlbus.common import protocol as P
 from rlbus.weights.broadcaster import _ranks
 from rlbus.weights.sync import broadcast_source
-from tests.explorer.test_broadcast_sync import peers, publisher, tiny_weights, wait_for
+from tests.explorer.test_broadcast_sync import peers, publisher, tiny_weights
 from tests.helpers import bcast_member
 from tests.helpers.announce import broadcast_publish
+from tests.helpers.waiting import wait_for
 
 
 def test_an_explorer_with_two_workers_takes_a_rank_for_each(broker_factory, clients, tiny_model, tmp_path):
