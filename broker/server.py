@@ -239,14 +239,14 @@ class Broker:
         if previous is not None and previous.name != h["name"]:
             self._drop(previous, "renamed")  # one connection, one name: the old one's leases go back
         peer, reconnect = self.peers.join(identity, h, now)
-        released = self.tasks.claim(peer.name, h.get("session"))
+        released, restored = self.tasks.claim(peer.name, h.get("session"), now)
         if released:  # another process under the name since a restart: it cannot know them
             log.info("leases_released", peer=peer.name, n=len(released), reason="another session")
         self.rollout.admit(h.get("rollout", {}), peer.name)
         if peer.role == "explorer" and len(self.explorers_seen) < self.cfg.trainer.wait_for_explorers:
             self.explorers_seen.add(peer.name)  # bounded: only the count up to the wait matters
         log.info("peer_joined", peer=peer.name, role=peer.role, policy_version=peer.policy_version,
-                 reconnect=reconnect, peers=len(self.peers))
+                 reconnect=reconnect, peers=len(self.peers), leases_restored=len(restored))
         s = self.cfg.sync
         self.reply(identity, msg, P.WELCOME, {
             "run_id": self.run_id, "started_at": self.started_at, "peer": peer.name, "heartbeat_interval_s": self.hb,
@@ -265,7 +265,7 @@ class Broker:
         if peer.role == "reward":
             self.rewards.worker_gone(peer)
         self.rewards.client_gone(peer)
-        released = self.tasks.release_holder(peer.name)
+        released = self.tasks.release_holder(peer.name, keep=reason == "expired")  # silent: it may come back
         self.swaps.end(peer.name, time.time(), reason)
         log.info("peer_left", peer=peer.name, role=peer.role, reason=reason, leases_released=len(released),
                  peers=len(self.peers))

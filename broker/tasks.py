@@ -5,7 +5,10 @@ belongs to explorer batch ⌊s / batch_tasks⌋. A lease names a task and a
 holder and expires; a lease that expires or whose holder is dropped returns
 its task to the queue, and the next LEASE gets it again (lowest seq first, so
 an old batch is finished before a new one starts). A task is done when a
-group answering any of its leases is stored.
+group answering any of its leases is stored. A holder dropped for silence
+(a stalled process, a network gap) may still be rolling its tasks out: when
+it says HELLO again with the same session, the leases it lost that nobody
+has taken since are its again (`restore`), so its tasks are not done twice.
 
 Revisits (`data.revisit`, a share of each batch): a task whose group was
 informative (its rewards differed: the policy solves it sometimes) is
@@ -24,6 +27,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import re
+import sqlite3
 from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -100,6 +104,7 @@ class TaskQueue:
         self.revisit_seqs.sort()
         self.leases: dict[str, Lease] = {}
         self.free: list[int] = []  # heap of seqs issued before whose lease lapsed
+        self.dropped: dict[int, Lease] = {}  # free seq -> the lease its silent holder lost (`restore`)
         self.attempts: dict[int, int] = {}
         self.done: set[int] = set()
         self.done_per_batch: Counter[int] = Counter()
@@ -127,17 +132,42 @@ class TaskQueue:
                 if lz.holder == holder and lz.req == req and lz.expires - self.lease_s < before]
         return [(lease, self.task(lease.seq)[0]) for lease in sorted(mine, key=lambda lz: lz.seq)]
 
-    def claim(self, holder: str, session: str | None) -> list[Lease]:
-        """`holder` said HELLO with `session`. Leases out under its name to another session are released and
-        returned: after a broker restart, a new process may take the name of one that is gone, and it cannot
-        know what that one was granted (while the broker runs, a name passes on only once its leases are back)."""
+    def claim(self, holder: str, session: str | None, now: float) -> tuple[list[Lease], list[Lease]]:
+        """`holder` said HELLO with `session`; returns the leases released and those restored for it.
+
+        Leases out under its name to another session are released: after a broker restart, a new process may
+        take the name of one that is gone, and it cannot know what that one was granted (while the broker runs, a
+        name passes on only once its leases are back). Leases this session lost when it was dropped for silence
+        are its again where nobody took them since (`restore`)."""
         self.unclaimed.discard(holder)
-        return self._release([lz for lz in self.leases.values() if lz.holder == holder and lz.session != session])
+        released = self._release([lz for lz in self.leases.values() if lz.holder == holder and lz.session != session])
+        return released, self.restore(holder, session, now)
 
     def release_unclaimed(self) -> list[Lease]:
-        """Leases granted before a restart to holders that have not said HELLO since: they are gone."""
+        """Leases granted before a restart to holders that have not said HELLO since: they are gone (or late)."""
         holders, self.unclaimed = self.unclaimed, set()
-        return self._release([lz for lz in self.leases.values() if lz.holder in holders])
+        return self._release([lz for lz in self.leases.values() if lz.holder in holders], keep=True)
+
+    def restore(self, holder: str, session: str | None, now: float) -> list[Lease]:
+        """`holder` said HELLO again with `session` after it was dropped for silence: the leases it lost then that
+        are unexpired and still free (no other holder took the task, no group answered it) are its again, as they
+        were (id, req, expiry), so the tasks it kept rolling out are not issued twice. Returns them."""
+        back = [lz for lz in self.dropped.values()
+                if lz.holder == holder and lz.session == session and lz.expires > now]
+        if not back:
+            return []
+        try:  # recorded first
+            self.catalog.lease([(lz.seq, lz.lease_id, lz.holder, lz.expires, self.attempts[lz.seq], lz.req,
+                                 lz.session) for lz in back])
+        except (sqlite3.Error, OSError):  # not recorded (a full disk): the tasks stay free, for any LEASE
+            return []
+        seqs = {lz.seq for lz in back}
+        self.free = [seq for seq in self.free if seq not in seqs]
+        heapq.heapify(self.free)
+        for lease in back:
+            del self.dropped[lease.seq]
+            self.leases[lease.lease_id] = lease
+        return back
 
     @property
     def exhausted(self) -> bool:
@@ -210,6 +240,8 @@ class TaskQueue:
         if rows:
             try:
                 self.catalog.lease(rows, revisits)
+                for row in rows:  # taken by a LEASE: no longer the dropped holder's to get back
+                    self.dropped.pop(row[0], None)
             except Exception:  # not recorded (a full disk): nothing is leased, the queue is as it was
                 for seq, lid, _, _, attempt, _, _ in rows:
                     del self.leases[lid]
@@ -242,6 +274,7 @@ class TaskQueue:
         if seq in self.free:
             self.free.remove(seq)
             heapq.heapify(self.free)
+        self.dropped.pop(seq, None)
         if revisit is not None:
             self.waiting.append((row, *revisit))
         self._mark_done(seq)
@@ -250,16 +283,19 @@ class TaskQueue:
         self.done.add(seq)
         self.done_per_batch[self.batch_of(seq)] += 1
 
-    def _release(self, leases: list[Lease]) -> list[Lease]:
+    def _release(self, leases: list[Lease], keep: bool = False) -> list[Lease]:
+        """Return the leases' tasks to the queue; `keep`: their holder may come back for them (`restore`)."""
         if leases:
             self.catalog.release([lease.seq for lease in leases])  # recorded first, as in `lease` and `complete`
         for lease in leases:
             del self.leases[lease.lease_id]
             heapq.heappush(self.free, lease.seq)
+            if keep:
+                self.dropped[lease.seq] = lease
         return leases
 
-    def release_holder(self, holder: str) -> list[Lease]:
-        return self._release([lease for lease in self.leases.values() if lease.holder == holder])
+    def release_holder(self, holder: str, keep: bool = False) -> list[Lease]:
+        return self._release([lease for lease in self.leases.values() if lease.holder == holder], keep)
 
     def expire(self, now: float) -> list[Lease]:
         return self._release([lease for lease in self.leases.values() if lease.expires <= now])

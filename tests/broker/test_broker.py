@@ -54,6 +54,33 @@ def test_silent_peer_expires_and_its_leases_return(broker, clients, raw_dealer):
     assert all(t["lease_id"].endswith(".1") for t in again.header["tasks"])
 
 
+def test_a_peer_dropped_for_silence_gets_back_the_leases_nobody_took_when_it_returns(broker, clients, raw_dealer):
+    """A peer silent beyond the liveness window (a stalled process) is dropped and its leases go back to the queue,
+    but it may still be rolling them out: back with the same session, it gets again those no other explorer took
+    meanwhile, so their tasks are not done twice. The one another explorer took stays that explorer's."""
+    hello = {"role": "explorer", "name": "stalled", "session": "s-1"}
+    sock = raw_dealer(broker.address)
+    sock.send_multipart(P.encode(P.HELLO, dict(hello, req=1)))
+    assert recv(sock).command == P.WELCOME
+    sock.send_multipart(P.encode(P.LEASE, {"req": 2, "max_tasks": 2, "policy_version": 0}))
+    granted = recv(sock).header["tasks"]
+    assert [t["seq"] for t in granted] == [0, 1]
+    other = clients(broker, "explorer", "other")
+    assert wait_for(lambda: "stalled" not in {p["name"] for p in status(other)["peers"]}, 5)
+    taken = other.request(P.LEASE, {"max_tasks": 1, "policy_version": 0}).header["tasks"]
+    assert [(t["seq"], t["lease_id"]) for t in taken] == [(0, "t0.1")]
+    sock.send_multipart(P.encode(P.HELLO, dict(hello, req=3)))
+    assert recv(sock).command == P.WELCOME
+    sock.send_multipart(P.encode(P.LEASE, {"req": 2, "max_tasks": 2, "policy_version": 0}))  # unanswered: resent
+    assert recv(sock).header["tasks"] == granted[1:]
+    sock.send_multipart(P.encode(P.LEASE, {"req": 4, "max_tasks": 1, "policy_version": 0}))
+    assert [t["seq"] for t in recv(sock).header["tasks"]] == [2]
+    tasks = status(other)["tasks"]
+    assert (tasks["issued"], tasks["leased"]) == (3, 3)
+    joined = [e for e in broker.log_events() if e["event"] == "peer_joined" and e["peer"] == "stalled"]
+    assert [e["leases_restored"] for e in joined] == [0, 1]
+
+
 def test_a_lease_resent_after_a_reconnect_gets_the_tasks_it_was_granted(broker, raw_dealer):
     """A peer that reconnects resends every request still unanswered, with its `req`. When the broker had already
     granted that LEASE (its TASKS went to the old connection, or crossed the resend), the resend gets the same

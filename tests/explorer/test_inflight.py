@@ -3,6 +3,8 @@ sampled by the weights its version says, and a streaming explorer PUTs every gro
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 import threading
 import time
@@ -266,6 +268,22 @@ def test_with_swap_lag_2_the_explorer_skips_a_version_and_swaps_to_the_newest(br
     spans = {(m["policy_version"], m["last_version"]) for m in metas}
     assert (0, 2) in spans and spans <= {(0, 0), (0, 2), (2, 2)}
     assert [e["policy_version"] for e in b.log_events() if e["event"] == "swap_granted"] == [2]
+
+
+def test_an_explorer_stalled_past_the_brokers_liveness_window_does_no_task_twice(broker_factory, clients, engine):
+    """The explorer's whole process stops (SIGSTOP: a starved host, a long pause) for longer than the broker waits
+    for a silent peer (1 s here), with tasks leased and in flight. The broker drops it and puts its leases back;
+    the explorer, back with the same session, gets them again, and every task of the taskset is PUT once."""
+    def stall(trainer, ex):
+        pid = os.getpid()  # stopped and continued by a shell started before the stop
+        subprocess.run(["sh", "-c", f"kill -STOP {pid}; sleep 2.5; kill -CONT {pid}"], check=True)
+
+    b, _, _ = stream(broker_factory, clients, engine, announce=stall, max_tokens=200)
+    events = b.log_events()
+    dropped = [e for e in events if e["event"] == "peer_left" and e["peer"] == "streamer"]
+    assert dropped[0]["reason"] == "expired" and dropped[0]["leases_released"] >= 2
+    assert sum(e.get("leases_restored", 0) for e in events if e["event"] == "peer_joined") \
+        == dropped[0]["leases_released"]
 
 
 def test_keeping_kv_across_a_swap(tiny_model, v1):
