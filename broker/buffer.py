@@ -8,6 +8,7 @@ previous one ran. A FETCH that finds too few ready groups waits up to its
 
 from __future__ import annotations
 
+import sqlite3
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -225,7 +226,12 @@ class Buffer:
         for held in self.held:
             if held.identity not in self.peers:
                 continue
-            retired = self._try_fetch(held.identity, held.msg)
+            try:
+                retired = self._try_fetch(held.identity, held.msg)
+            except (sqlite3.Error, OSError) as exc:  # its batch could not be recorded: nothing was delivered
+                self.out.reply(held.identity, held.msg, P.ERROR, {
+                    "code": "storage_error", "message": f"nothing was recorded, resend later: {P.brief(exc)}"})
+                continue
             if retired is not None:
                 held.expired += retired[0]
                 held.skipped += retired[1]

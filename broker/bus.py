@@ -48,12 +48,13 @@ class WeightBus:
         if h["version"] < self.state["version"]:
             return P.ProtocolError("conflict", f"version {h['version']} is older than the published "
                                                f"{self.state['version']}")
-        self.state = {"version": h["version"], "method": h["method"], "location": h["location"],
-                      "digest": h["digest"], "step": h.get("step", h["version"]), "published_at": time.time()}
+        state = {"version": h["version"], "method": h["method"], "location": h["location"],
+                 "digest": h["digest"], "step": h.get("step", h["version"]), "published_at": time.time()}
         for key in ("broadcast", "fetch_from", "fetch_key"):
             if h.get(key):
-                self.state[key] = h[key]
-        self.store.set_meta("weights", self.state)
+                state[key] = h[key]
+        self.store.set_meta("weights", state)  # recorded first: a disk error leaves the version published as it was
+        self.state = state
         log.info("weights_published", policy_version=h["version"], method=h["method"], location=h["location"],
                  epoch=h["broadcast"]["epoch"] if h.get("broadcast") else None)
         self.send()

@@ -40,6 +40,9 @@ log = structlog.get_logger()
 _WHO = {"explorer": "explorers", "trainer": "the trainer", "reward": "reward workers"}
 
 PUT_DRAIN = 256  # messages taken off the socket before one group commit
+# Handlers that write the catalogue before they change anything: a disk that fails them (full, read-only) leaves
+# nothing changed, answered `storage_error`, which clients resend later. PUT answers its own disk errors.
+RECORDED_FIRST = frozenset({P.LEASE, P.FETCH, P.COMMIT, P.PUBLISH})
 
 
 class Broker:
@@ -74,7 +77,8 @@ class Broker:
         self.bus = WeightBus(self.pub, self.store, bcfg.republish_interval_s)
         anyone = tuple(sorted(P.ROLES))
         self.handlers: dict[str, tuple[Callable[[Peer, P.Message], None], tuple[str, ...]]] = {
-            P.HEARTBEAT: (self._heartbeat, anyone), P.STATUS: (self._status, anyone),
+            P.HEARTBEAT: (self._heartbeat, anyone),
+            P.STATUS: (lambda p, m: self.reply(p.identity, m, P.STATUS, self.status()), anyone),
             P.BYE: (lambda p, m: self._drop(p, "bye"), anyone), P.LEASE: (self._lease, ("explorer",)),
             P.FETCH: (self.buffer.fetch, ("trainer",)), P.COMMIT: (self.buffer.commit, ("trainer",)),
             P.PUBLISH: (self._publish, ("trainer",)), P.SWAP: (self._swap, ("explorer",)),
@@ -148,18 +152,22 @@ class Broker:
         """Run one handler; a bug it hits is logged with its traceback and answered `ERROR internal`.
 
         The loop goes on serving everyone else. Handlers change state only after
-        their checks pass, so what was acknowledged before stays as it was.
+        their checks pass, so what was acknowledged before stays as it was; a
+        disk error in one of RECORDED_FIRST changed nothing: `storage_error`.
         """
         try:
             handler(*args)
         except Exception as exc:
             requests = args[0] if handler == self.buffer.store_puts else [args]
-            log.exception("request_failed", command=requests[0][1].command if requests else None,
-                          error=P.brief(exc))
+            command = requests[0][1].command if requests else None
+            if isinstance(exc, (sqlite3.Error, OSError)) and command in RECORDED_FIRST:
+                log.warning("storage_failed", command=command, error=P.brief(exc))
+                code, text = "storage_error", f"nothing was recorded, resend later: {P.brief(exc)}"
+            else:
+                log.exception("request_failed", command=command, error=P.brief(exc))
+                code, text = "internal", f"the broker failed on this request: {type(exc).__name__}; see its log"
             for identity, msg in requests:
-                self.reply(identity, msg, P.ERROR, {"code": "internal",
-                                                     "message": f"the broker failed on this request: "
-                                                                f"{type(exc).__name__}; see its log"})
+                self.reply(identity, msg, P.ERROR, {"code": code, "message": text})
 
     def bad(self, identity: bytes, exc: P.ProtocolError, body: list[bytes]) -> None:
         peer = self.peers.get(identity)
@@ -300,12 +308,8 @@ class Broker:
         if self.awaiting_explorers():  # a fresh run starts its explorers together
             return self.reply(peer.identity, msg, P.WAIT, {"reason": "explorers", "retry_after_s": self.hb})
         max_tasks = min(msg.header["max_tasks"], max(1, room // self.cfg.rollout.repeat))
-        try:
-            granted = self.tasks.lease(peer.name, max_tasks, now, lambda e: self.refusal(e, version) is None, req,
-                                       peer.info["session"])
-        except (sqlite3.OperationalError, OSError) as exc:  # the lease could not be recorded: none was made
-            return self.reply(peer.identity, msg, P.ERROR, {"code": "storage_error",
-                                                         "message": f"no task leased, resend later: {exc}"})
+        granted = self.tasks.lease(peer.name, max_tasks, now, lambda e: self.refusal(e, version) is None, req,
+                                   peer.info["session"])  # recorded first: a disk error leases nothing
         if granted:
             log.info("tasks_leased", peer=peer.name, n=len(granted), batch_index=self.tasks.batch_of(granted[0][0].seq),
                      policy_version=version, depth=self.store.depth)
@@ -334,9 +338,8 @@ class Broker:
 
     def _publish(self, peer: Peer, msg: P.Message) -> None:
         error = self.bus.publish(msg.header)
-        if error is not None:
-            return self.reply(peer.identity, msg, P.ERROR, {"code": error.code, "message": error.message})
-        self.reply(peer.identity, msg, P.OK, {})
+        answer = (P.OK, {}) if error is None else (P.ERROR, {"code": error.code, "message": error.message})
+        self.reply(peer.identity, msg, *answer)
 
     def awaiting_explorers(self) -> bool:
         """A fresh run hands out no task until `trainer.wait_for_explorers` explorers have joined or
@@ -344,9 +347,6 @@ class Broker:
         t = self.cfg.trainer
         return (self.buffer.trainer_step == 0 and len(self.explorers_seen) < t.wait_for_explorers
                 and time.monotonic() - self.started < t.wait_for_explorers_s)
-
-    def _status(self, peer: Peer, msg: P.Message) -> None:
-        self.reply(peer.identity, msg, P.STATUS, self.status())
 
     def status(self) -> dict[str, Any]:
         now = time.time()

@@ -19,7 +19,9 @@ the taskset is read in order whatever the revisits, and the run's tasks end
 with the taskset's (revisits still waiting then are not issued).
 
 Leases live in the broker's catalogue (`catalog.py`), so a restarted broker knows which
-tasks were issued, which are done and which are still out.
+tasks were issued, which are done and which are still out. A lease is recorded
+before it is granted, and a disk error grants none; a task done or a lease
+given back is made in memory even when the disk refuses its record (`_behind`).
 """
 
 from __future__ import annotations
@@ -32,8 +34,12 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import structlog
+
 from rlbus.broker.catalog import Catalog
 from rlbus.common.tasksets import Taskset
+
+log = structlog.get_logger()
 
 
 @dataclass(slots=True)
@@ -268,7 +274,11 @@ class TaskQueue:
             task, times = self.task(seq)
             if times < self.revisit_times:
                 revisit = (task, times + 1, self.batch_of(seq) + 2)
-        row = self.catalog.task_done(seq, revisit)  # recorded first: if it fails, nothing here has changed
+        try:
+            row = self.catalog.task_done(seq, revisit)
+        except (sqlite3.Error, OSError) as exc:  # its group is stored all the same: the task is done
+            _behind("task_done", [seq], exc)
+            row, revisit = None, None  # a revisit the catalogue does not know of would change what its seq is
         for lid in [lid for lid, lease in self.leases.items() if lease.seq == seq]:
             del self.leases[lid]
         if seq in self.free:
@@ -286,7 +296,10 @@ class TaskQueue:
     def _release(self, leases: list[Lease], keep: bool = False) -> list[Lease]:
         """Return the leases' tasks to the queue; `keep`: their holder may come back for them (`restore`)."""
         if leases:
-            self.catalog.release([lease.seq for lease in leases])  # recorded first, as in `lease` and `complete`
+            try:
+                self.catalog.release([lease.seq for lease in leases])
+            except (sqlite3.Error, OSError) as exc:  # released all the same: the holder is gone or late
+                _behind("release", [lease.seq for lease in leases], exc)
         for lease in leases:
             del self.leases[lease.lease_id]
             heapq.heappush(self.free, lease.seq)
@@ -302,3 +315,11 @@ class TaskQueue:
 
     def held_by(self, holder: str) -> int:
         return sum(1 for lease in self.leases.values() if lease.holder == holder)
+
+
+def _behind(change: str, seqs: list[int], exc: Exception) -> None:
+    """A change the catalogue could not record (a full or failing disk) that the queue makes all the same: a task
+    done or a lease given back cannot be refused to whoever caused it. A lease given back is recorded with the
+    seq's next lease; a broker restarted before then finds it still out and releases it when its holder does not
+    come back. A task done stays unrecorded: a broker restarted after it issues the task again."""
+    log.warning("catalog_behind", change=change, seqs=seqs[:16], error=str(exc))

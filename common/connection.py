@@ -176,6 +176,8 @@ class Connection:
             return
         h = msg.header
         if msg.command == P.WELCOME:
+            if h.get("req", self._hello_req) != self._hello_req:
+                return None  # to a HELLO sent before the current one: its WELCOME resends what waits
             return self._on_welcome(h)
         if msg.command in P.UNSOLICITED:
             self.inbox.put(msg)
@@ -186,9 +188,11 @@ class Connection:
             return self._flush()
         request = self._pending.get(h.get("req", -1))
         if msg.command == P.ERROR:
-            if h.get("code") == "not_registered":
-                log.info("broker_forgot_us", peer=self.name)
-                return self._rehello()
+            if h.get("code") == "not_registered":  # one HELLO at a time: each WELCOME resends what waits
+                if self._welcome_ok:
+                    log.info("broker_forgot_us", peer=self.name)
+                    self._rehello()
+                return None
             if h.get("req") == self._hello_req:
                 return self._on_hello_refused(h)
             if request is None:

@@ -6,13 +6,15 @@ import os
 import resource
 import signal
 import socket
+import threading
 import time
 
 import pytest
+import zmq
 
 from rlbus.common import protocol as P
 from rlbus.common.client import BrokerClient, BrokerError, BrokerUnreachable, default_name
-from tests.conftest import group, traj
+from tests.conftest import group, recv, traj
 from tests.helpers.waiting import wait_for
 
 
@@ -132,15 +134,139 @@ def test_a_lease_the_broker_could_not_record_leases_nothing_and_is_resent_until_
     write, the tasks granted are the ones the first LEASE would have had."""
     c = clients(broker, "explorer", "patient", backoff_max_s=0.2)
     tool = clients(broker, "tool", "look")
-    logs = max((broker.data_dir / name).stat().st_size for name in ("broker.jsonl", "broker.stderr"))
-    limit = logs + (16 << 10)
-    assert (broker.data_dir / "buffer.sqlite3-wal").stat().st_size > limit, "the catalogue's next record lies past it"
-    resource.prlimit(broker.proc.pid, resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+    limit_below_the_catalogues_next_record(broker)
     pending = c.submit(P.LEASE, {"max_tasks": 2, "policy_version": 0})
     wait_for(lambda: refused_for_storage(broker) >= 3, 10, "three refusals")
     assert not pending.done()
     assert tool.request(P.STATUS).header["tasks"] == {"issued": 0, "leased": 0, "done": 0, "revisits": 0}
-    resource.prlimit(broker.proc.pid, resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    lift_limit(broker)
     reply = pending.result(10)
     assert reply.command == P.TASKS and [t["lease_id"] for t in reply.header["tasks"]] == ["t0.0", "t1.0"]
     assert tool.request(P.STATUS).header["tasks"]["leased"] == 2
+
+
+def limit_below_the_catalogues_next_record(broker) -> None:
+    """A file size limit on the broker above its logs (with room for a few lines) and below where its catalogue
+    writes next: the catalogue cannot be written, as on a full disk; its segments, logs and reads go on."""
+    logs = max((broker.data_dir / name).stat().st_size for name in ("broker.jsonl", "broker.stderr"))
+    limit = logs + (16 << 10)
+    assert (broker.data_dir / "buffer.sqlite3-wal").stat().st_size > limit, "the catalogue's next record lies past it"
+    resource.prlimit(broker.proc.pid, resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+
+
+def lift_limit(broker) -> None:
+    resource.prlimit(broker.proc.pid, resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+
+
+def test_a_fetch_a_commit_or_a_publish_the_broker_could_not_record_is_resent_until_it_can(broker, clients, tmp_path):
+    """The trainer's FETCH, COMMIT and PUBLISH are recorded in the catalogue before they change anything. A broker
+    that cannot write them answers `storage_error` with nothing changed, the client resends, and once the broker
+    can write, each is answered as the first would have been: the batch, the commit, the new version."""
+    ex = clients(broker, "explorer", "ex")
+    assert len(ex.put(group("g0") + group("g1"), timeout=5)["stored"]) == 4
+    tr = clients(broker, "trainer", "tr", backoff_max_s=0.2)
+    tool = clients(broker, "tool", "look")
+    steps = [(P.FETCH, {"step": 0, "max_groups": 4, "min_groups": 2}), (P.COMMIT, {"step": 0}),
+             (P.PUBLISH, {"version": 1, "method": "checkpoint", "location": str(tmp_path), "digest": "d1"})]
+    for command, header in steps:
+        before, seen = tool.request(P.STATUS).header, refused_for_storage(broker)
+        limit_below_the_catalogues_next_record(broker)
+        pending = tr.submit(command, header)
+        wait_for(lambda: refused_for_storage(broker) >= seen + 3, 10, f"three refusals of {command}")
+        assert not pending.done()
+        now = tool.request(P.STATUS).header
+        assert (now["buffer"], now["weights"]) == (before["buffer"], before["weights"]), f"{command} changed them"
+        lift_limit(broker)
+        reply = pending.result(10)
+        if command == P.FETCH:
+            assert reply.command == P.BATCH and sorted(g["group_id"] for g in reply.header["groups"]) == ["g0", "g1"]
+        else:
+            assert reply.command == P.OK
+    status = tool.request(P.STATUS).header
+    assert status["buffer"]["committed"] == 4 and status["weights"]["version"] == 1
+    assert ex.weights["version"] == 1 and broker.proc.poll() is None
+
+
+def test_a_peer_dropped_while_the_disk_refuses_writes_still_gives_its_tasks_back(broker, clients, raw_dealer):
+    """Releasing a dropped peer's leases is not a request anyone could resend: with the catalogue unwritable, the
+    broker releases them all the same (logged `catalog_behind`) and goes on serving; once it can write, the
+    next LEASE gets those tasks."""
+    sock = raw_dealer(broker.address)
+    sock.send_multipart(P.encode(P.HELLO, {"role": "explorer", "name": "gone", "session": "s-gone", "req": 1}))
+    assert recv(sock).command == P.WELCOME
+    sock.send_multipart(P.encode(P.LEASE, {"req": 2, "max_tasks": 2, "policy_version": 0}))
+    assert [t["lease_id"] for t in recv(sock).header["tasks"]] == ["t0.0", "t1.0"]
+    sock.close(0)
+    tool = clients(broker, "tool", "look")
+    limit_below_the_catalogues_next_record(broker)
+    wait_for(lambda: "gone" not in {p["name"] for p in tool.request(P.STATUS).header["peers"]}, 5, "gone dropped")
+    assert tool.request(P.STATUS).header["tasks"]["leased"] == 0
+    behind = [e for e in broker.log_events() if e["event"] == "catalog_behind"]
+    assert [(e["change"], e["seqs"]) for e in behind] == [("release", [0, 1])]
+    lift_limit(broker)
+    other = clients(broker, "explorer", "other")
+    again = other.request(P.LEASE, {"max_tasks": 2, "policy_version": 0}).header["tasks"]
+    assert [t["lease_id"] for t in again] == ["t0.1", "t1.1"] and broker.proc.poll() is None
+
+
+class StandIn:
+    """A ROUTER on loopback that plays the broker's side by hand (a unit test of the client's reconnect logic;
+    the real broker's side of the same is in tests/explorer/test_inflight.py, an explorer stalled past liveness)."""
+
+    def __init__(self):
+        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.address = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
+        self.peer = b""
+
+    def next(self, timeout_s: float = 5.0) -> P.Message | None:
+        """The next message other than HEARTBEAT, or None if none comes within `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while self.sock.poll(max(0, int((deadline - time.monotonic()) * 1000))):
+            self.peer, *frames = self.sock.recv_multipart()
+            msg = P.decode(frames)
+            if msg.command != P.HEARTBEAT:
+                return msg
+        return None
+
+    def answer(self, command: str, header: dict) -> None:
+        self.sock.send_multipart([self.peer, *P.encode(command, header)])
+
+    def welcome(self, hello: P.Message) -> None:
+        self.answer(P.WELCOME, {"req": hello.header["req"], "run_id": "r", "started_at": 0.0, "peer": "forgotten",
+                                "heartbeat_interval_s": 0.2, "liveness": 50, "credit": 8, "max_message_bytes": 1 << 20,
+                                "weights": {"version": 0, "method": "checkpoint", "location": "", "digest": ""},
+                                "sync": {}, "rollout": {}})
+
+
+def test_a_client_the_broker_forgot_says_hello_once_and_resends_each_request_once():
+    """Told `not_registered` for several messages in a row (a broker that dropped it, all of them sent before the
+    first answer came), the client says HELLO once, not once per refusal; and a WELCOME to a HELLO that is not
+    its latest resends nothing. Each WELCOME it takes resends every unanswered request, so a second one would
+    send the same LEASE twice, and a broker grants a request it sees twice on one connection twice."""
+    broker = StandIn()
+    client = BrokerClient(broker.address, "explorer", "forgotten", heartbeat_interval_s=0.2)
+    starting = threading.Thread(target=client.start, args=(10,))
+    starting.start()
+    first = broker.next()
+    broker.welcome(first)
+    starting.join(10)
+    try:
+        pending = client.submit(P.LEASE, {"max_tasks": 2, "policy_version": 0})
+        lease = broker.next()
+        assert lease.command == P.LEASE
+        refusal = {"code": "not_registered", "message": "say HELLO first"}
+        for header in (dict(refusal, req=lease.header["req"]), refusal, refusal):  # the LEASE, two HEARTBEATs
+            broker.answer(P.ERROR, header)
+        hello = broker.next()
+        assert hello.command == P.HELLO and broker.next(1.0) is None, "one HELLO, however many refusals"
+        broker.welcome(hello)
+        again = broker.next()
+        assert (again.command, again.header["req"]) == (P.LEASE, lease.header["req"])
+        broker.welcome(first)  # a late WELCOME to the first HELLO
+        assert broker.next(1.0) is None, "resent once"
+        broker.answer(P.TASKS, {"req": again.header["req"], "tasks": [], "lease_s": 60.0})
+        assert pending.result(5).command == P.TASKS
+    finally:
+        client.close(bye=False, timeout=1)
+        broker.sock.close(0)
