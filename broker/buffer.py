@@ -8,7 +8,6 @@ previous one ran. A FETCH that finds too few ready groups waits up to its
 
 from __future__ import annotations
 
-import sqlite3
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from typing import Any, Protocol
 import structlog
 import zmq
 
+from rlbus.broker.catalog import DISK_ERRORS, unrecorded
 from rlbus.broker.metrics import BufferStats
 from rlbus.broker.peers import Peer, Peers
 from rlbus.broker.store import Group, Store
@@ -228,9 +228,8 @@ class Buffer:
                 continue
             try:
                 retired = self._try_fetch(held.identity, held.msg)
-            except (sqlite3.Error, OSError) as exc:  # its batch could not be recorded: nothing was delivered
-                self.out.reply(held.identity, held.msg, P.ERROR, {
-                    "code": "storage_error", "message": f"nothing was recorded, resend later: {P.brief(exc)}"})
+            except DISK_ERRORS as exc:  # its batch could not be recorded: nothing was delivered
+                self.out.reply(held.identity, held.msg, P.ERROR, {"code": "storage_error", "message": unrecorded(exc)})
                 continue
             if retired is not None:
                 held.expired += retired[0]
@@ -269,3 +268,4 @@ class Buffer:
         self.writer.stop()
         self.written()
         self.writer.done.close(0)
+

@@ -19,7 +19,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from rlbus.common.protocol import pack, unpack
+from rlbus.common.protocol import brief, pack, unpack
+
+DISK_ERRORS = (sqlite3.Error, OSError)  # what writing the catalogue raises on a full or failing disk
+
+
+def unrecorded(exc: Exception) -> str:
+    """The `storage_error` message for a request the catalogue could not record: nothing changed."""
+    return f"nothing was recorded, resend later: {brief(exc)}"
 
 BUSY_TIMEOUT_S = 30.0  # how long a write waits for another to end before it fails
 

@@ -14,7 +14,6 @@ line; nothing a peer sends can stop the loop or lose acknowledged data.
 
 from __future__ import annotations
 
-import sqlite3
 import time
 import uuid
 from typing import Any, Callable
@@ -27,6 +26,7 @@ from rlbus.broker.bus import WeightBus
 from rlbus.broker.peers import Peer, Peers
 from rlbus.broker.rewards import RewardRouter
 from rlbus.broker.buffer import Buffer
+from rlbus.broker.catalog import DISK_ERRORS, unrecorded
 from rlbus.broker.rollout import RunRollout
 from rlbus.broker.store import Store
 from rlbus.broker.swaps import SwapSlots
@@ -160,9 +160,9 @@ class Broker:
         except Exception as exc:
             requests = args[0] if handler == self.buffer.store_puts else [args]
             command = requests[0][1].command if requests else None
-            if isinstance(exc, (sqlite3.Error, OSError)) and command in RECORDED_FIRST:
+            if isinstance(exc, DISK_ERRORS) and command in RECORDED_FIRST:
                 log.warning("storage_failed", command=command, error=P.brief(exc))
-                code, text = "storage_error", f"nothing was recorded, resend later: {P.brief(exc)}"
+                code, text = "storage_error", unrecorded(exc)
             else:
                 log.exception("request_failed", command=command, error=P.brief(exc))
                 code, text = "internal", f"the broker failed on this request: {type(exc).__name__}; see its log"

@@ -29,14 +29,13 @@ from __future__ import annotations
 import bisect
 import heapq
 import re
-import sqlite3
 from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import structlog
 
-from rlbus.broker.catalog import Catalog
+from rlbus.broker.catalog import DISK_ERRORS, Catalog
 from rlbus.common.tasksets import Taskset
 
 log = structlog.get_logger()
@@ -165,7 +164,7 @@ class TaskQueue:
         try:  # recorded first
             self.catalog.lease([(lz.seq, lz.lease_id, lz.holder, lz.expires, self.attempts[lz.seq], lz.req,
                                  lz.session) for lz in back])
-        except (sqlite3.Error, OSError):  # not recorded (a full disk): the tasks stay free, for any LEASE
+        except DISK_ERRORS:  # not recorded (a full disk): the tasks stay free, for any LEASE
             return []
         seqs = {lz.seq for lz in back}
         self.free = [seq for seq in self.free if seq not in seqs]
@@ -276,7 +275,7 @@ class TaskQueue:
                 revisit = (task, times + 1, self.batch_of(seq) + 2)
         try:
             row = self.catalog.task_done(seq, revisit)
-        except (sqlite3.Error, OSError) as exc:  # its group is stored all the same: the task is done
+        except DISK_ERRORS as exc:  # its group is stored all the same: the task is done
             _behind("task_done", [seq], exc)
             row, revisit = None, None  # a revisit the catalogue does not know of would change what its seq is
         for lid in [lid for lid, lease in self.leases.items() if lease.seq == seq]:
@@ -298,7 +297,7 @@ class TaskQueue:
         if leases:
             try:
                 self.catalog.release([lease.seq for lease in leases])
-            except (sqlite3.Error, OSError) as exc:  # released all the same: the holder is gone or late
+            except DISK_ERRORS as exc:  # released all the same: the holder is gone or late
                 _behind("release", [lease.seq for lease in leases], exc)
         for lease in leases:
             del self.leases[lease.lease_id]
