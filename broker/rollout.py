@@ -45,9 +45,11 @@ class RunRollout:
         return out
 
     def admit(self, given: dict[str, Any], peer: str) -> None:
-        """A peer without differences joins: the first resolved dtype of an `auto` run becomes the run's."""
+        """A peer without differences joins: the first resolved dtype of an `auto` run becomes the run's.
+
+        The pin is recorded first: a disk error raised here leaves the run unpinned."""
         dtype = given.get("dtype", "auto")
         if self.settings["dtype"] == "auto" and dtype != "auto":
-            self.settings["dtype"] = dtype
             self.store.set_meta(_PINNED, dtype)
+            self.settings["dtype"] = dtype
             log.info("rollout_dtype_pinned", dtype=dtype, peer=peer)

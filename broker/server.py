@@ -42,7 +42,7 @@ _WHO = {"explorer": "explorers", "trainer": "the trainer", "reward": "reward wor
 PUT_DRAIN = 256  # messages taken off the socket before one group commit
 # Handlers that write the catalogue before they change anything: a disk that fails them (full, read-only) leaves
 # nothing changed, answered `storage_error`, which clients resend later. PUT answers its own disk errors.
-RECORDED_FIRST = frozenset({P.LEASE, P.FETCH, P.COMMIT, P.PUBLISH})
+RECORDED_FIRST = frozenset({P.HELLO, P.LEASE, P.FETCH, P.COMMIT, P.PUBLISH})
 
 
 class Broker:
@@ -151,9 +151,8 @@ class Broker:
     def _guarded(self, handler, *args) -> None:
         """Run one handler; a bug it hits is logged with its traceback and answered `ERROR internal`.
 
-        The loop goes on serving everyone else. Handlers change state only after
-        their checks pass, so what was acknowledged before stays as it was; a
-        disk error in one of RECORDED_FIRST changed nothing: `storage_error`.
+        The loop goes on serving everyone else. Handlers change state only after their checks pass, so what was
+        acknowledged before stays as it was; a disk error in one of RECORDED_FIRST changed nothing: `storage_error`.
         """
         try:
             handler(*args)
@@ -162,12 +161,13 @@ class Broker:
             command = requests[0][1].command if requests else None
             if isinstance(exc, DISK_ERRORS) and command in RECORDED_FIRST:
                 log.warning("storage_failed", command=command, error=P.brief(exc))
-                code, text = "storage_error", unrecorded(exc)
+                error = {"code": "storage_error", "message": unrecorded(exc), "retry_after_s": self.hb}
             else:
                 log.exception("request_failed", command=command, error=P.brief(exc))
-                code, text = "internal", f"the broker failed on this request: {type(exc).__name__}; see its log"
+                error = {"code": "internal", "message": f"the broker failed on this request: {type(exc).__name__}; "
+                                                        "see its log"}
             for identity, msg in requests:
-                self.reply(identity, msg, P.ERROR, {"code": code, "message": text})
+                self.reply(identity, msg, P.ERROR, dict(error))
 
     def bad(self, identity: bytes, exc: P.ProtocolError, body: list[bytes]) -> None:
         peer = self.peers.get(identity)
@@ -243,6 +243,7 @@ class Broker:
             return self.reply(identity, msg, P.ERROR, {
                 "code": "conflict", "message": f"{'; '.join(differs)}: start it with the run's rollout settings, "
                                                f"or leave them out to take the run's"})
+        self.rollout.admit(h.get("rollout", {}), h["name"])  # before any change: it may be refused for the disk
         previous = self.peers.get(identity)
         if previous is not None and previous.name != h["name"]:
             self._drop(previous, "renamed")  # one connection, one name: the old one's leases go back
@@ -250,7 +251,6 @@ class Broker:
         released, restored = self.tasks.claim(peer.name, h.get("session"), now)
         if released:  # another process under the name since a restart: it cannot know them
             log.info("leases_released", peer=peer.name, n=len(released), reason="another session")
-        self.rollout.admit(h.get("rollout", {}), peer.name)
         if peer.role == "explorer" and len(self.explorers_seen) < self.cfg.trainer.wait_for_explorers:
             self.explorers_seen.add(peer.name)  # bounded: only the count up to the wait matters
         log.info("peer_joined", peer=peer.name, role=peer.role, policy_version=peer.policy_version,

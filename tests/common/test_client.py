@@ -187,6 +187,34 @@ def test_a_fetch_a_commit_or_a_publish_the_broker_could_not_record_is_resent_unt
     assert ex.weights["version"] == 1 and broker.proc.poll() is None
 
 
+def test_a_hello_that_would_pin_the_runs_dtype_is_retried_until_the_broker_can_record_it(broker_factory, clients):
+    """The first explorer of a `rollout.dtype: auto` run pins its dtype for the run, recorded before anything
+    changes. A broker that cannot write it answers HELLO `storage_error` with `retry_after_s`, and the peer is not
+    joined; the client says HELLO again after that long, and once the broker can write, it joins and the run's
+    dtype is the one it reported."""
+    b = broker_factory("rollout.dtype=auto")
+    tool = clients(b, "tool", "look")
+    assert tool.welcome["rollout"]["dtype"] == "auto"
+    limit_below_the_catalogues_next_record(b)
+    first = BrokerClient(b.address, "explorer", "first", bus_address=b.bus, heartbeat_interval_s=0.2,
+                         rollout={"dtype": "bfloat16"})
+    starting = threading.Thread(target=first.start, args=(30,), daemon=True)
+    try:
+        starting.start()
+        wait_for(lambda: refused_for_storage(b) >= 3, 10, "three refusals of HELLO")
+        refused = [e for e in b.log_events() if e["event"] == "request_refused"]
+        assert {e["command"] for e in refused} == {P.HELLO} and starting.is_alive()
+        assert "first" not in {p["name"] for p in tool.request(P.STATUS).header["peers"]}
+        lift_limit(b)
+        starting.join(10)
+        assert not starting.is_alive() and first.welcome["rollout"]["dtype"] == "bfloat16"
+        assert "first" in {p["name"] for p in tool.request(P.STATUS).header["peers"]}
+        pinned = [e for e in b.log_events() if e["event"] == "rollout_dtype_pinned"]
+        assert [(e["dtype"], e["peer"]) for e in pinned] == [("bfloat16", "first")] and b.proc.poll() is None
+    finally:
+        first.close(bye=False, timeout=1)
+
+
 def test_a_peer_dropped_while_the_disk_refuses_writes_still_gives_its_tasks_back(broker, clients, raw_dealer):
     """Releasing a dropped peer's leases is not a request anyone could resend: with the catalogue unwritable, the
     broker releases them all the same (logged `catalog_behind`) and goes on serving; once it can write, the
