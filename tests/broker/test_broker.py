@@ -11,19 +11,11 @@ import pytest
 from rlbus.common import protocol as P
 from rlbus.common.client import BrokerError
 from tests.conftest import group, recv
+from tests.helpers.waiting import wait_for
 
 
 def status(c) -> dict:
     return c.request(P.STATUS).header
-
-
-def wait_for(pred, timeout=10.0, every=0.05):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(every)
-    return False
 
 
 def test_join_status_and_leave(broker, clients):
@@ -34,7 +26,7 @@ def test_join_status_and_leave(broker, clients):
     assert {"ex-a", "tool-1"} <= names
     assert a.welcome["weights"]["version"] == 0
     a.close(bye=True)
-    assert wait_for(lambda: "ex-a" not in {p["name"] for p in status(t)["peers"]}, 3)
+    wait_for(lambda: "ex-a" not in {p["name"] for p in status(t)["peers"]}, 3, "ex-a dropped")
 
 
 def test_silent_peer_expires_and_its_leases_return(broker, clients, raw_dealer):
@@ -47,7 +39,7 @@ def test_silent_peer_expires_and_its_leases_return(broker, clients, raw_dealer):
     assert leased.command == P.TASKS
     seqs = sorted(t["seq"] for t in leased.header["tasks"])
     tool = clients(broker, "tool", "watcher")
-    assert wait_for(lambda: "mute" not in {p["name"] for p in status(tool)["peers"]}, 5)
+    wait_for(lambda: "mute" not in {p["name"] for p in status(tool)["peers"]}, 5, "mute dropped")
     other = clients(broker, "explorer", "ex-b")
     again = other.request(P.LEASE, {"max_tasks": 2, "policy_version": 0})
     assert sorted(t["seq"] for t in again.header["tasks"]) == seqs
@@ -66,7 +58,7 @@ def test_a_peer_dropped_for_silence_gets_back_the_leases_nobody_took_when_it_ret
     granted = recv(sock).header["tasks"]
     assert [t["seq"] for t in granted] == [0, 1]
     other = clients(broker, "explorer", "other")
-    assert wait_for(lambda: "stalled" not in {p["name"] for p in status(other)["peers"]}, 5)
+    wait_for(lambda: "stalled" not in {p["name"] for p in status(other)["peers"]}, 5, "stalled dropped")
     taken = other.request(P.LEASE, {"max_tasks": 1, "policy_version": 0}).header["tasks"]
     assert [(t["seq"], t["lease_id"]) for t in taken] == [(0, "t0.1")]
     sock.send_multipart(P.encode(P.HELLO, dict(hello, req=3)))
@@ -165,7 +157,7 @@ def test_a_stalled_broker_keeps_the_peers_that_went_on_talking_and_drops_the_sil
     finally:
         os.kill(broker.proc.pid, signal.SIGCONT)
     tool = clients(broker, "tool", "watcher")
-    assert wait_for(lambda: "mute" not in {p["name"] for p in status(tool)["peers"]}, 5)
+    wait_for(lambda: "mute" not in {p["name"] for p in status(tool)["peers"]}, 5, "mute dropped")
     events = broker.log_events()
     assert any(e["event"] == "broker_stalled" and e["seconds"] >= 2.5 for e in events)
     left = [e for e in events if e["event"] == "peer_left"]
@@ -267,7 +259,7 @@ def test_publish_reaches_bus_and_welcome(broker, clients):
     ex = clients(broker, "explorer", "ex")
     tr = clients(broker, "trainer", "tr")
     tr.request(P.PUBLISH, {"version": 3, "method": "checkpoint", "location": "/w/v3", "digest": "abc", "step": 3})
-    assert wait_for(lambda: ex.weights and ex.weights["version"] == 3, 5)
+    wait_for(lambda: ex.weights and ex.weights["version"] == 3, 5, "version 3 on the bus")
     late = clients(broker, "explorer", "late")
     assert late.welcome["weights"]["location"] == "/w/v3"
 
@@ -292,7 +284,7 @@ def test_publish_carries_where_to_fetch_and_refuses_a_bad_address(broker, client
             tr.request(P.PUBLISH, {**state, "fetch_from": bad})
     tr.request(P.PUBLISH, {**state, "version": 0, "fetch_from": "tcp://[fd00::5]:5557"})  # IPv6 as ZeroMQ writes it
     tr.request(P.PUBLISH, {**state, "fetch_from": "tcp://trainer-host:5557", "fetch_key": "K" * 40})
-    assert wait_for(lambda: ex.weights and ex.weights["version"] == 1, 5)
+    wait_for(lambda: ex.weights and ex.weights["version"] == 1, 5, "version 1 on the bus")
     assert ex.weights["fetch_from"] == "tcp://trainer-host:5557" and ex.weights["fetch_key"] == "K" * 40
     assert clients(broker, "explorer", "late").welcome["weights"]["fetch_from"] == "tcp://trainer-host:5557"
 
