@@ -46,6 +46,7 @@ import structlog
 import zmq
 
 from rlbus.common import protocol as P
+from rlbus.common.messages import Int
 from rlbus.weights.manifests import Gone, Manifests
 
 log = structlog.get_logger()
@@ -59,13 +60,25 @@ DELTA_WAIT_S = 10.0  # how long a MANIFEST for a delta waits for its build when 
 
 
 class Request(msgspec.Struct, forbid_unknown_fields=False):
-    req: int
-    version: int
-    base: int | None = None
+    req: Int  # integers are unsigned, as in the broker's protocol: a negative one is `bad_request`
+    version: Int
+    base: Int | None = None
     base_digest: str = ""
     file: str = ""
-    index: int = 0
-    delta_wait_ms: int | None = None  # MANIFEST with a base: after this long, the whole version if no delta yet
+    index: Int = 0
+    delta_wait_ms: Int | None = None  # MANIFEST with a base: after this long, the whole version if no delta yet
+
+
+class _Req(msgspec.Struct, forbid_unknown_fields=False):
+    req: Int
+
+
+def readable_req(header: bytes) -> int | None:
+    """The `req` of a header that does not decode as a request, where it can be read: the ERROR then answers it."""
+    try:
+        return msgspec.msgpack.decode(header, type=_Req).req
+    except (msgspec.DecodeError, RecursionError):
+        return None
 
 
 def advertised(bind_host: str, advertise: str, port: int) -> str:
@@ -186,16 +199,10 @@ class WeightServer:
         try:
             request = msgspec.msgpack.decode(header, type=Request)
         except (msgspec.DecodeError, RecursionError) as exc:  # RecursionError: an unnamed field nested too deep
-            self._error(ident, None, "bad_request", f"bad header: {exc}")
+            self._error(ident, readable_req(header), "bad_request", f"bad header: {exc}")
             return
         if command not in (MANIFEST, CHUNK):
             self._error(ident, request.req, "bad_request", f"unknown command {P.brief(command)}")
-            return
-        if request.version < 0 or (request.base is not None and request.base < 0):
-            self._error(ident, request.req, "bad_request", "versions are not negative")
-            return
-        if request.delta_wait_ms is not None and request.delta_wait_ms < 0:
-            self._error(ident, request.req, "bad_request", "delta_wait_ms is not negative")
             return
         if len(self._waiting) + len(self._awaiting) >= MAX_WAITING:
             self._error(ident, request.req, "busy", "too many requests wait for a manifest; ask again later")
@@ -297,7 +304,8 @@ class WeightServer:
         self.sock.send_multipart([ident, MAGIC, command, P.pack(public)])
 
     def _error(self, ident: bytes, req: int | None, code: str, message: str) -> None:
-        self.sock.send_multipart([ident, MAGIC, ERROR, P.pack({"req": req, "code": code, "message": message})])
+        error = {"code": code, "message": message} if req is None else {"req": req, "code": code, "message": message}
+        self.sock.send_multipart([ident, MAGIC, ERROR, P.pack(error)])
 
 
 class FileMaps:

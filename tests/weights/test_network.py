@@ -354,24 +354,30 @@ def ask(sock: zmq.Socket, frames: list[bytes]) -> tuple[bytes, dict]:
 def test_requests_name_versions_and_files_never_paths_and_bad_input_gets_an_error(dealer):
     sock = dealer
     cases = [
-        ([MAGIC, CHUNK, P.pack({"req": 1, "version": 1, "file": "../../../etc/passwd"})], "bad_request"),
-        ([MAGIC, CHUNK, P.pack({"req": 2, "version": 1, "file": "config.json", "index": 7})], "bad_request"),
-        ([MAGIC, MANIFEST, P.pack({"req": 3, "version": 99})], "gone"),
-        ([MAGIC, MANIFEST, P.pack({"req": 4, "version": "v1/../.."})], "bad_request"),
-        ([MAGIC, MANIFEST, P.pack({"req": 5, "version": -1})], "bad_request"),
+        ([MAGIC, CHUNK, P.pack({"req": 1, "version": 1, "file": "../../../etc/passwd"})], "bad_request", 1),
+        ([MAGIC, CHUNK, P.pack({"req": 2, "version": 1, "file": "config.json", "index": 7})], "bad_request", 2),
+        ([MAGIC, MANIFEST, P.pack({"req": 3, "version": 99})], "gone", 3),
+        ([MAGIC, MANIFEST, P.pack({"req": 4, "version": "v1/../.."})], "bad_request", 4),
+        ([MAGIC, MANIFEST, P.pack({"req": 5, "version": -1})], "bad_request", 5),
         ([MAGIC, MANIFEST, P.pack({"req": 10, "version": 2, "base": 1, "base_digest": "x", "delta_wait_ms": -5})],
-         "bad_request"),
-        ([MAGIC, MANIFEST, P.pack({"req": 11, "version": 2, "base": 1, "delta_wait_ms": "soon"})], "bad_request"),
-        ([MAGIC, b"DELETE", P.pack({"req": 6, "version": 1})], "bad_request"),
-        ([MAGIC, MANIFEST, b"\xc1not msgpack"], "bad_request"),
+         "bad_request", 10),
+        ([MAGIC, MANIFEST, P.pack({"req": 11, "version": 2, "base": 1, "delta_wait_ms": "soon"})], "bad_request", 11),
+        ([MAGIC, b"DELETE", P.pack({"req": 6, "version": 1})], "bad_request", 6),
+        ([MAGIC, MANIFEST, b"\xc1not msgpack"], "bad_request", None),
         # A field the request does not name, nested past what the decoder follows.
-        ([MAGIC, MANIFEST, b"\x83\xa3req\x0c\xa7version\x01\xa1x" + b"\x91" * 30_000 + b"\x01"], "bad_request"),
-        ([b"http/1.1", b"GET /"], "bad_request"),
-        ([MAGIC, MANIFEST, P.pack({"req": 12, "version": 1, "pad": "x" * MAX_REQUEST_BYTES})], "bad_request"),
+        ([MAGIC, MANIFEST, b"\x83\xa3req\x0c\xa7version\x01\xa1x" + b"\x91" * 30_000 + b"\x01"], "bad_request", None),
+        ([b"http/1.1", b"GET /"], "bad_request", None),
+        ([MAGIC, MANIFEST, P.pack({"req": 12, "version": 1, "pad": "x" * MAX_REQUEST_BYTES})], "bad_request", None),
+        ([MAGIC, MANIFEST, P.pack({"req": 13, "version": True})], "bad_request", 13),
+        ([MAGIC, MANIFEST, P.pack({"req": 14, "version": 1 << 53})], "bad_request", 14),
+        ([MAGIC, CHUNK, P.pack({"req": 15, "version": 1, "file": "config.json", "index": -1})], "bad_request", 15),
+        ([MAGIC, MANIFEST, P.pack({"req": -16, "version": 1})], "bad_request", None),
     ]
-    for frames, code in cases:
+    # Each is answered with its `req` wherever that can be read (an unsigned integer), and without one otherwise.
+    for frames, code, req in cases:
         command, header = ask(sock, frames)
-        assert (command, header["code"]) == (b"ERROR", code), (frames, header)
+        assert (command, header["code"], header.get("req")) == (b"ERROR", code, req), (frames, header)
+        assert ("req" in header) == (req is not None), header  # never nil
     # Still serving.
     command, header = ask(sock, [MAGIC, MANIFEST, P.pack({"req": 9, "version": 2})])
     assert command == MANIFEST and header["req"] == 9
