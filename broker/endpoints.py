@@ -18,7 +18,7 @@ from typing import Any
 import zmq
 
 from rlbus.common.curve import load_server_auth
-from rlbus.common.sections import BrokerConfig
+from rlbus.common.broker_config import BrokerConfig
 
 NAME = "endpoints.json"
 

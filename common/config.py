@@ -19,12 +19,12 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import AfterValidator, Field, ValidationError, model_validator
 
-# The processes' sections live in sections.py (the reward's in reward_config.py) and are part of this module's API;
-# the run-wide ones are below.
+# The processes' sections live in sections.py (the broker's in broker_config.py, the reward's in reward_config.py)
+# and are part of this module's API; the run-wide ones are below.
+from rlbus.common.broker_config import BrokerConfig, BufferConfig  # noqa: F401
 from rlbus.common.reward_config import RewardConfig, RewardTerm  # noqa: F401
 from rlbus.common.sections import (  # noqa: F401
-    AlgorithmConfig, BrokerConfig, BufferConfig, DataConfig, ExplorerConfig, ModelConfig, RolloutConfig, Section,
-    SyncConfig, TrainerConfig)
+    AlgorithmConfig, DataConfig, ExplorerConfig, ModelConfig, RolloutConfig, Section, SyncConfig, TrainerConfig)
 
 
 class ConfigError(ValueError):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from rlbus.common.messages import MAX_WORKERS
 from rlbus.common.protocol import ENDPOINT
@@ -184,19 +184,6 @@ class SyncConfig(Section):
         return max(0, (batch_index - self.sync_offset) // self.sync_interval * self.sync_interval)
 
 
-class BufferConfig(Section):
-    dir: str = ""
-    """Data directory of the durable buffer; empty means `<run_dir>/buffer`."""
-    capacity: int = Field(20000, ge=1)
-    """Trajectories held and not yet committed; a full buffer slows explorers, it never drops data."""
-    fsync: Annotated[Literal["group", "off"], BeforeValidator(lambda v: "off" if v is False else v)] = "group"
-    """group: fdatasync payloads and commit metadata before every ACK (survives power loss); off: survive process crashes only."""
-    cache_mb: int = Field(512, ge=0)
-    """Payloads kept in memory until trained on, up to this many MiB; beyond it they are read back from disk."""
-    segment_bytes: int = Field(256 << 20, ge=1 << 20)
-    """Roll over to a new payload segment file after this many bytes."""
-
-
 def _endpoint(value: str) -> str:
     """A broker address as clients dial it: tcp://HOST:PORT (HOST a name, an IPv4 address or [IPv6])."""
     if value and not ENDPOINT.fullmatch(value):
@@ -205,41 +192,6 @@ def _endpoint(value: str) -> str:
 
 
 Endpoint = Annotated[str, AfterValidator(_endpoint)]
-
-
-class BrokerConfig(Section):
-    host: str = "127.0.0.1"
-    """Address the broker binds (0.0.0.0 to serve other hosts)."""
-    port: int = Field(5555, ge=0, le=65535)
-    """Request (ROUTER) port; 0 picks a free port (written to endpoints.json in the buffer directory, and passed
-    on to the others by `rlbus up`)."""
-    pub_port: int = Field(5556, ge=0, le=65535)
-    """Weight-version bus (PUB) port; 0 picks a free port, as for `port`."""
-    heartbeat_interval_s: float = Field(1.0, gt=0)
-    """Seconds between heartbeats."""
-    liveness: int = Field(5, ge=2)
-    """Heartbeats missed before a peer is dropped (and its leases re-issued). Time in which the broker itself
-    did not read (a starved or stopped process, logged as `broker_stalled`) does not count."""
-    lease_timeout_s: float = Field(600.0, gt=0)
-    """A task lease not completed in this time is issued to someone else."""
-    republish_interval_s: float = Field(2.0, gt=0)
-    """The weight state is put on the bus again this often, for late subscribers."""
-    max_message_bytes: int = Field(64 << 20, ge=1 << 16)
-    """Largest message accepted; larger ones get ERROR too_large."""
-    max_payload_bytes: int = Field(16 << 20, ge=1 << 10)
-    """Largest single trajectory payload."""
-    curve_secret_key: str = ""
-    """Path of the broker's CurveZMQ secret key file; set it to require encryption and client keys."""
-    curve_authorized_dir: str = ""
-    """Directory of client public key files the broker accepts (with curve_secret_key)."""
-    address: Endpoint = "tcp://127.0.0.1:5555"
-    """Where clients reach the broker's request socket."""
-    pub_address: Endpoint = ""
-    """Where clients reach the bus; empty means the request address with pub_port."""
-    curve_server_key: str = ""
-    """Client side: path of the broker's public key file."""
-    curve_client_key: str = ""
-    """Client side: path of this client's secret key file (its public key must be listed at the broker)."""
 
 
 class RolloutConfig(Section):

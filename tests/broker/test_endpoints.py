@@ -57,3 +57,13 @@ def test_an_address_the_broker_cannot_bind_is_one_error_line_and_exit_1(tmp_path
             assert "Traceback" not in run.stderr
     finally:
         taken.close()
+
+
+def test_a_peer_given_only_the_brokers_port_reaches_it(broker, clients):
+    """`rlbus status` with the broker's `broker.port` and no `broker.address` asks that broker, not the default
+    port's."""
+    run_id = clients(broker, "tool", "look").welcome["run_id"]
+    run = subprocess.run([sys.executable, "-m", "rlbus.cli", "status", "--set", f"broker.port={broker.port}"],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert json.loads(run.stdout)["run_id"] == run_id

@@ -62,6 +62,21 @@ def test_bad_values_name_field_value_and_remedy(sets, needle):
     assert needle in str(err.value)
 
 
+@pytest.mark.parametrize("sets, address, bus", [
+    ([], "tcp://127.0.0.1:5555", "tcp://127.0.0.1:5556"),
+    (["broker.port=6000", "broker.pub_port=6001"], "tcp://127.0.0.1:6000", "tcp://127.0.0.1:6001"),
+    (["broker.host=0.0.0.0", "broker.port=6000"], "tcp://127.0.0.1:6000", "tcp://127.0.0.1:5556"),
+    (["broker.host=broker-host", "broker.port=6000"], "tcp://broker-host:6000", "tcp://broker-host:5556"),
+    (["broker.host=::1", "broker.port=6000"], "tcp://[::1]:6000", "tcp://[::1]:5556"),
+    (["broker.port=6000", "broker.address=tcp://far:7000"], "tcp://far:7000", "tcp://far:5556"),
+    (["broker.port=0"], "tcp://127.0.0.1:5555", "tcp://127.0.0.1:5556"),  # nothing to dial: give the address
+])
+def test_peers_dial_the_brokers_host_and_port_unless_given_an_address(sets, address, bus):
+    """One config with only `broker.port` serves the broker and its peers alike."""
+    cfg = load_config(None, sets, environ={})
+    assert (cfg.broker.address, cfg.bus_address()) == (address, bus)
+
+
 def test_missing_and_malformed_files(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.yaml", environ={})
