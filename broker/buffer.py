@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import structlog
 import zmq
 
-from rlbus.broker.catalog import DISK_ERRORS, unrecorded
+from rlbus.broker.catalog import DISK_ERRORS, storage_error, unrecorded
 from rlbus.broker.metrics import BufferStats
 from rlbus.broker.peers import Peer, Peers
 from rlbus.broker.store import Group, Store
@@ -56,6 +56,7 @@ class Buffer:
         self.tasks = tasks
         self.peers = peers
         self.out = out
+        self.hb = cfg.broker.heartbeat_interval_s  # a refusal for the disk names it as when to resend (`retry_after_s`)
         self.writer = Writer(store, ctx)
         self.trainer_step = int(store.get_meta("trainer_step", 0))
         self.held: list[HeldFetch] = []
@@ -142,8 +143,7 @@ class Buffer:
             if error:
                 self.store.abandon(job)
                 for identity, msg, _ in job.acks:
-                    self.out.reply(identity, msg, P.ERROR, {"code": "storage_error",
-                                                         "message": f"not stored, resend later: {error}"})
+                    self.out.reply(identity, msg, P.ERROR, storage_error(f"not stored, resend later: {error}", self.hb))
                 continue
             completed = self.store.finish(job)
             for group in completed:
@@ -229,7 +229,7 @@ class Buffer:
             try:
                 retired = self._try_fetch(held.identity, held.msg)
             except DISK_ERRORS as exc:  # its batch could not be recorded: nothing was delivered
-                self.out.reply(held.identity, held.msg, P.ERROR, {"code": "storage_error", "message": unrecorded(exc)})
+                self.out.reply(held.identity, held.msg, P.ERROR, storage_error(unrecorded(exc), self.hb))
                 continue
             if retired is not None:
                 held.expired += retired[0]

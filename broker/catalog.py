@@ -28,6 +28,12 @@ def unrecorded(exc: Exception) -> str:
     """The `storage_error` message for a request the catalogue could not record: nothing changed."""
     return f"nothing was recorded, resend later: {brief(exc)}"
 
+
+def storage_error(message: str, retry_after_s: float) -> dict[str, Any]:
+    """The ERROR header refusing a request the disk could not take: resend it, a HELLO after `retry_after_s`."""
+    return {"code": "storage_error", "message": message, "retry_after_s": retry_after_s}
+
+
 BUSY_TIMEOUT_S = 30.0  # how long a write waits for another to end before it fails
 
 # One `chunks` row per group commit of one PUT message: the metadata of its

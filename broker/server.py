@@ -26,7 +26,7 @@ from rlbus.broker.bus import WeightBus
 from rlbus.broker.peers import Peer, Peers
 from rlbus.broker.rewards import RewardRouter
 from rlbus.broker.buffer import Buffer
-from rlbus.broker.catalog import DISK_ERRORS, unrecorded
+from rlbus.broker.catalog import DISK_ERRORS, storage_error, unrecorded
 from rlbus.broker.rollout import RunRollout
 from rlbus.broker.store import Store
 from rlbus.broker.swaps import SwapSlots
@@ -161,7 +161,7 @@ class Broker:
             command = requests[0][1].command if requests else None
             if isinstance(exc, DISK_ERRORS) and command in RECORDED_FIRST:
                 log.warning("storage_failed", command=command, error=P.brief(exc))
-                error = {"code": "storage_error", "message": unrecorded(exc), "retry_after_s": self.hb}
+                error = storage_error(unrecorded(exc), self.hb)
             else:
                 log.exception("request_failed", command=command, error=P.brief(exc))
                 error = {"code": "internal", "message": f"the broker failed on this request: {type(exc).__name__}; "

@@ -71,7 +71,8 @@ def test_a_held_fetch_whose_batch_cannot_be_recorded_is_answered_storage_error_a
         store.put([group("g0") + group("g1")])
         store.catalog.deliver, deliver = full, store.catalog.deliver
         buffer.serve_held()
-        assert [(who, command, h["code"]) for who, command, h in replies.sent] == [(b"tr", P.ERROR, "storage_error")]
+        assert [(who, command, h["code"], h["retry_after_s"]) for who, command, h in replies.sent] == [
+            (b"tr", P.ERROR, "storage_error", cfg.broker.heartbeat_interval_s)]
         assert not buffer.held and not store.batches and sorted(store.ready) == ["g0", "g1"]
         store.catalog.deliver = deliver
         buffer.fetch(peers.get(b"tr"), fetch)  # the client's resend
