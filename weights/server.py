@@ -64,8 +64,8 @@ class Request(msgspec.Struct, forbid_unknown_fields=False):
     version: Int
     base: Int | None = None
     base_digest: str = ""
-    file: str = ""
-    index: Int = 0
+    file: str | msgspec.UnsetType = msgspec.UNSET  # CHUNK's, which must name both
+    index: Int | msgspec.UnsetType = msgspec.UNSET
     delta_wait_ms: Int | None = None  # MANIFEST with a base: after this long, the whole version if no delta yet
 
 
@@ -203,6 +203,9 @@ class WeightServer:
             return
         if command not in (MANIFEST, CHUNK):
             self._error(ident, request.req, "bad_request", f"unknown command {P.brief(command)}")
+            return
+        if command == CHUNK and msgspec.UNSET in (request.file, request.index):
+            self._error(ident, request.req, "bad_request", "a CHUNK names its file and index")
             return
         if len(self._waiting) + len(self._awaiting) >= MAX_WAITING:
             self._error(ident, request.req, "busy", "too many requests wait for a manifest; ask again later")

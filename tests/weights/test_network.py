@@ -372,6 +372,8 @@ def test_requests_name_versions_and_files_never_paths_and_bad_input_gets_an_erro
         ([MAGIC, MANIFEST, P.pack({"req": 14, "version": 1 << 53})], "bad_request", 14),
         ([MAGIC, CHUNK, P.pack({"req": 15, "version": 1, "file": "config.json", "index": -1})], "bad_request", 15),
         ([MAGIC, MANIFEST, P.pack({"req": -16, "version": 1})], "bad_request", None),
+        ([MAGIC, CHUNK, P.pack({"req": 17, "version": 1, "file": "config.json"})], "bad_request", 17),
+        ([MAGIC, CHUNK, P.pack({"req": 18, "version": 1, "index": 0})], "bad_request", 18),
     ]
     # Each is answered with its `req` wherever that can be read (an unsigned integer), and without one otherwise.
     for frames, code, req in cases:
