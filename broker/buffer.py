@@ -268,4 +268,3 @@ class Buffer:
         self.writer.stop()
         self.written()
         self.writer.done.close(0)
-

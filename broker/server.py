@@ -397,4 +397,3 @@ class Broker:
         self.buffer.close()
         self.sockets.close()
         self.store.close()
-
