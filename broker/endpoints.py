@@ -17,6 +17,7 @@ from typing import Any
 
 import zmq
 
+from rlbus.common import protocol as P
 from rlbus.common.curve import load_server_auth
 from rlbus.common.broker_config import BrokerConfig
 
@@ -29,10 +30,11 @@ class BindError(RuntimeError):
 
 def bind(sock: zmq.Socket, host: str, port: int) -> int:
     """Bind `sock` on TCP (port 0: a free port); returns the port."""
-    address = f"tcp://{host}:{port or '*'}"
+    address = P.tcp(host, port or "*")
+    P.allow_ipv6(sock, address)
     try:
         if port == 0:
-            return sock.bind_to_random_port(f"tcp://{host}")
+            return sock.bind_to_random_port(address.rpartition(":")[0])
         sock.bind(address)
     except zmq.ZMQError as exc:
         raise BindError(f"cannot serve on {address}: {exc.strerror}") from None
@@ -80,7 +82,7 @@ def open_sockets(ctx: zmq.Context, b: BrokerConfig) -> Sockets:
 def write(buffer_dir: Path, host: str, port: int, pub_port: int) -> None:
     path = Path(buffer_dir) / NAME
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps({"router": f"tcp://{host}:{port}", "pub": f"tcp://{host}:{pub_port}",
+    tmp.write_text(json.dumps({"router": P.tcp(host, port), "pub": P.tcp(host, pub_port),
                                "pid": os.getpid()}))
     os.replace(tmp, path)  # readers that poll for the file never see it half written
 

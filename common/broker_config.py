@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field, model_validator
 
+from rlbus.common.protocol import EVERY_INTERFACE, tcp
 from rlbus.common.sections import Endpoint, Section
 
 
@@ -69,6 +70,4 @@ class BrokerConfig(Section):
 
 def dialled(host: str, port: int) -> str:
     """The address a peer on this host dials for a socket bound to `host` and `port`."""
-    if host in ("0.0.0.0", "*", "", "::"):
-        host = "127.0.0.1"
-    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+    return tcp("127.0.0.1" if host in EVERY_INTERFACE else host, port)

@@ -141,13 +141,16 @@ def _parse_scalar(text: str) -> Any:
     """A command-line or environment value, read as YAML (so 1e-6, true, [1, 2] work).
 
     Only true/false are booleans: YAML 1.1 would also read on/off/yes/no so,
-    which turns `buffer.fsync=off` into False.
+    which turns `buffer.fsync=off` into False. Only `{...}` is a mapping: YAML
+    reads `::` (every interface, for a host) as one.
     """
     try:
         value = yaml.safe_load(text)
     except yaml.YAMLError:
         return text
     if isinstance(value, bool) and text.strip().lower() not in ("true", "false"):
+        return text.strip()
+    if isinstance(value, dict) and not text.lstrip().startswith("{"):
         return text.strip()
     return value
 

@@ -66,6 +66,7 @@ class Connection:
         self.sock.setsockopt(zmq.RCVHWM, 0)
         if self.curve:
             configure_client(self.sock, *self.curve)
+        P.allow_ipv6(self.sock, self.address)
         self.sock.connect(self.address)
         self._last_recv = time.monotonic()
         self._rehello()
@@ -78,6 +79,7 @@ class Connection:
             if self.curve:
                 configure_client(self.sub, *self.curve)
             self.sub.setsockopt(zmq.SUBSCRIBE, P.TOPIC_WEIGHTS)
+            P.allow_ipv6(self.sub, self.bus_address)
             self.sub.connect(self.bus_address)
 
     def _send(self, command: str, header: dict[str, Any], payloads: list[bytes] | None = None) -> None:

@@ -69,6 +69,20 @@ MAX_REPLY_DEPTH = MAX_DEPTH + 4
 
 # A ZeroMQ TCP endpoint as peers dial it: tcp://HOST:PORT, HOST a name, an IPv4 address or [IPv6].
 ENDPOINT = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[^\s/:\[\]]+):\d{1,5}")
+# Hosts that mean every interface of the machine, for a socket that binds.
+EVERY_INTERFACE = ("0.0.0.0", "*", "", "::")
+
+
+def tcp(host: str, port: int | str) -> str:
+    """The ZeroMQ endpoint of `host` and `port`: an IPv6 address in brackets, as ZeroMQ reads it."""
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+def allow_ipv6(sock: Any, endpoint: str) -> None:
+    """Let `sock` bind or dial `endpoint` if it is an IPv6 address: ZeroMQ takes one only on a socket told so.
+    A name or an IPv4 address leaves it off (a name known by both families would be dialled on its IPv6
+    address, where a broker on an IPv4 address is not)."""
+    sock.ipv6 = endpoint.startswith("tcp://[")
 
 _brief = reprlib.Repr()
 _brief.maxlevel, _brief.maxstring, _brief.maxother, _brief.maxlist, _brief.maxdict = 2, 40, 40, 4, 4

@@ -139,11 +139,11 @@ class SyncConfig(Section):
     """Serve every published version over the network (weights/server.py), so explorers that cannot read the
     trainer's run directory fetch it, as deltas against the version they hold."""
     serve_host: str = "127.0.0.1"
-    """The interface the trainer's weight server binds (0.0.0.0: all of them)."""
+    """The interface the trainer's weight server binds (0.0.0.0: every IPv4 one; `::`: every one)."""
     serve_port: int = Field(0, ge=0, le=65535)
     """The weight server's port (0: a free one; the bus announces it)."""
     serve_advertise: str = ""
-    """The host explorers dial for weights (default: serve_host, or this machine's hostname for 0.0.0.0)."""
+    """The host explorers dial for weights (default: serve_host, or this machine's hostname for 0.0.0.0 or ::)."""
     serve_authorized_dir: str = ""
     """With CurveZMQ on: the client public keys the weight server admits (default: broker.curve_authorized_dir)."""
     serve_deltas: bool = True

@@ -171,10 +171,11 @@ def reward(config: ConfigArg = None, set: SetOpt = None,
 def mirror(config: ConfigArg = None, set: SetOpt = None,
            broker: BrokerOpt = None,
            dir: Annotated[Path, typer.Option(help="Where the mirrored versions are kept.")] = Path("mirror"),
-           host: Annotated[str, typer.Option(help="Interface to bind (0.0.0.0: all).")] = "127.0.0.1",
+           host: Annotated[str, typer.Option(
+               help="Interface to bind (0.0.0.0: every IPv4 one; ::, every one).")] = "127.0.0.1",
            port: Annotated[int, typer.Option(help="Port to bind (0: a free one, printed).")] = 0,
            advertise: Annotated[str, typer.Option(help="The host explorers dial (default: --host, or this "
-                                                       "machine's name for 0.0.0.0).")] = "",
+                                                       "machine's name for 0.0.0.0 or ::).")] = "",
            keep: Annotated[int, typer.Option(help="Versions kept (explorers take deltas against them).")] = 3,
            deltas: Annotated[bool, typer.Option(
                help="Take deltas from the trainer when it has them ready, for a mirror on a slow link to it "

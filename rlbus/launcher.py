@@ -34,6 +34,7 @@ from pathlib import Path
 import structlog
 
 from rlbus.broker import endpoints
+from rlbus.common.broker_config import dialled
 from rlbus.common.config import ConfigError, LaunchConfig, RunConfig, dump_config, parse_cpus
 from rlbus.common.processes import on_stop_signals, terminate_with
 from rlbus.logview import events, last_event
@@ -124,8 +125,8 @@ class Launcher:
     def _pin_ports(cfg: RunConfig, port: int, pub_port: int) -> None:
         """Children find the broker on this machine, whatever address it binds."""
         cfg.broker.port, cfg.broker.pub_port = port, pub_port
-        cfg.broker.address = f"tcp://127.0.0.1:{port}"
-        cfg.broker.pub_address = f"tcp://127.0.0.1:{pub_port}"
+        cfg.broker.address = dialled(cfg.broker.host, port)
+        cfg.broker.pub_address = dialled(cfg.broker.host, pub_port)
 
     # ---- children ---------------------------------------------------------
 

@@ -57,6 +57,18 @@ def _any_free_port() -> int:
         return s.getsockname()[1]
 
 
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+ipv6_loopback = pytest.mark.skipif(not _ipv6_loopback(), reason="this machine has no IPv6 loopback (::1)")
+
+
 def _port_block() -> range | None:
     """This pytest process's own ports: below the kernel's ephemeral range, where bind(0) and outgoing connections
     take theirs, and apart from every other xdist worker's. None where the range leaves no room for it."""

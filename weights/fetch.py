@@ -93,6 +93,7 @@ class _Transfer:
 
             configure_client_keys(self.sock, server_key.encode(), client_secret_file)
         try:
+            P.allow_ipv6(self.sock, address)
             self.sock.connect(address)
         except zmq.ZMQError as exc:
             self.sock.close(0)

@@ -82,8 +82,7 @@ def readable_req(header: bytes) -> int | None:
 
 
 def advertised(bind_host: str, advertise: str, port: int) -> str:
-    host = advertise or (socket.gethostname() if bind_host in ("0.0.0.0", "*", "") else bind_host)
-    return f"tcp://{host}:{port}"
+    return P.tcp(advertise or (socket.gethostname() if bind_host in P.EVERY_INTERFACE else bind_host), port)
 
 
 class WeightServer:
@@ -117,12 +116,13 @@ class WeightServer:
 
             self.auth = load_server_auth(self.ctx, curve[0], curve[1], [self.sock])
             self.public_key = load_certificate(curve[0])[0].decode()
-        bind_host = "*" if host in ("0.0.0.0", "*", "") else host
+        endpoint = P.tcp("*" if host in ("0.0.0.0", "*", "") else host, port or "*")  # "::": both families
+        P.allow_ipv6(self.sock, endpoint)
         try:
             if port:
-                self.sock.bind(f"tcp://{bind_host}:{port}")
+                self.sock.bind(endpoint)
             else:
-                port = self.sock.bind_to_random_port(f"tcp://{bind_host}")
+                port = self.sock.bind_to_random_port(endpoint.rpartition(":")[0])
         except zmq.ZMQError as exc:
             if self.auth is not None:
                 self.auth.stop()
@@ -347,7 +347,8 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(prog="python -m rlbus.weights.server", description=main.__doc__)
     parser.add_argument("dir", help="the directory holding the published versions v1/, v2/, ...")
-    parser.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0: all)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="interface to bind (0.0.0.0: every IPv4 one; ::, every one)")
     parser.add_argument("--port", type=int, default=0, help="port to bind (0: a free one)")
     parser.add_argument("--chunk-mb", type=float, default=4.0, help="chunk size in MB")
     parser.add_argument("--delta-priority", choices=("idle", "normal"), default="idle",

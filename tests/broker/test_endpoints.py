@@ -11,6 +11,10 @@ import sys
 import pytest
 
 from rlbus.broker import endpoints
+from rlbus.common import protocol as P
+from rlbus.common.client import BrokerClient
+from tests.conftest import ipv6_loopback
+from tests.helpers.waiting import wait_for
 
 
 def test_ports_are_read_only_from_the_file_the_given_process_wrote(tmp_path):
@@ -67,3 +71,32 @@ def test_a_peer_given_only_the_brokers_port_reaches_it(broker, clients):
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr[-2000:]
     assert json.loads(run.stdout)["run_id"] == run_id
+
+
+
+@ipv6_loopback
+@pytest.mark.parametrize("host, dialled", [("::1", ["[::1]"]), ("::", ["[::1]", "127.0.0.1"])])
+def test_a_broker_on_an_ipv6_address_serves_peers_and_the_bus_there(broker_factory, host, dialled):
+    """A broker bound to an IPv6 address (`::`: every interface, both families) is reached at its address in
+    brackets, as docs/protocol.md writes them: requests, the weight-version bus, and `rlbus status` given only
+    the broker's host and port."""
+    broker = broker_factory(f"broker.host={host}")
+    bound = json.loads((broker.data_dir / endpoints.NAME).read_text())
+    assert bound["router"] == f"tcp://[{host}]:{broker.port}"
+    for version, at in enumerate(dialled, 1):
+        made = [BrokerClient(f"tcp://{at}:{broker.port}", role, f"{role}-{version}", heartbeat_interval_s=0.2,
+                             bus_address=f"tcp://{at}:{broker.pub_port}") for role in ("explorer", "trainer")]
+        explorer, trainer = made
+        try:
+            for c in made:
+                c.start(10)
+            trainer.request(P.PUBLISH, {"version": version, "method": "checkpoint", "location": f"/w/v{version}",
+                                        "digest": "abc", "fetch_from": "tcp://[::1]:5557"})
+            wait_for(lambda: explorer.weights and explorer.weights["version"] == version, 10, "the version on the bus")
+        finally:
+            for c in made:
+                c.close(timeout=1)
+    run = subprocess.run([sys.executable, "-m", "rlbus.cli", "status", "--set", f"broker.host={host}",
+                          "--set", f"broker.port={broker.port}"], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert json.loads(run.stdout)["weights"]["version"] == len(dialled)

@@ -30,9 +30,12 @@ def test_precedence_defaults_file_env_set(tmp_path):
     assert cfg.broker.port == 5555  # environment beats file
 
 
-def test_off_stays_a_string():
+def test_off_stays_a_string_and_a_mapping_needs_braces():
     assert load_config(None, ["buffer.fsync=off"], environ={}).buffer.fsync == "off"
     assert load_config(None, [], environ={"RLBUS_BUFFER__FSYNC": "off"}).buffer.fsync == "off"
+    # Every interface of both families, not the mapping YAML would read.
+    assert load_config(None, ["broker.host=::"], environ={}).broker.host == "::"
+    assert load_config(None, [], environ={"RLBUS_BROKER__HOST": "::"}).broker.host == "::"
 
 
 @pytest.mark.parametrize("sets,needle", [
@@ -75,6 +78,16 @@ def test_peers_dial_the_brokers_host_and_port_unless_given_an_address(sets, addr
     """One config with only `broker.port` serves the broker and its peers alike."""
     cfg = load_config(None, sets, environ={})
     assert (cfg.broker.address, cfg.bus_address()) == (address, bus)
+
+
+@pytest.mark.parametrize("host, dialled", [("0.0.0.0", "127.0.0.1"), ("::", "127.0.0.1"), ("::1", "[::1]"),
+                                           ("broker-host", "broker-host")])
+def test_rlbus_up_hands_its_children_the_ports_its_broker_bound_on_the_brokers_host(host, dialled):
+    from rlbus.launcher import Launcher
+
+    cfg = load_config(None, [f"broker.host={host}", "broker.port=0", "broker.pub_port=0"], environ={})
+    Launcher._pin_ports(cfg, 7000, 7001)
+    assert (cfg.broker.address, cfg.bus_address()) == (f"tcp://{dialled}:7000", f"tcp://{dialled}:7001")
 
 
 def test_missing_and_malformed_files(tmp_path):

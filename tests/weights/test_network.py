@@ -9,6 +9,7 @@ from __future__ import annotations
 import filecmp
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -27,7 +28,7 @@ from rlbus.weights.delta import apply_delta, make_delta  # noqa: E402
 from rlbus.weights.digest import weights_digest  # noqa: E402
 from rlbus.weights.fetch import SPARE, Base, FetchFailed, SpareWarmer, fetch_version, retire  # noqa: E402
 from rlbus.weights.server import CHUNK, MAGIC, MANIFEST, MAX_REQUEST_BYTES, WeightServer  # noqa: E402
-from tests.conftest import REPO, free_port  # noqa: E402
+from tests.conftest import REPO, free_port, ipv6_loopback  # noqa: E402
 from tests.helpers.served import CHUNK_BYTES, publish_versions, state_of  # noqa: E402
 
 def same_files(a: Path, b: Path) -> bool:
@@ -458,6 +459,27 @@ def test_a_port_in_use_is_a_clear_error(served, tmp_path):
     port = int(server.address.rsplit(":", 1)[1])
     with pytest.raises(OSError, match="sync.serve_port"):
         WeightServer(tmp_path / "other", port=port)
+
+
+@ipv6_loopback
+@pytest.mark.parametrize("host", ["::1", "::"])
+def test_a_weight_server_on_an_ipv6_address_is_fetched_from_the_address_it_announces(tmp_path, host):
+    """The address is one the broker takes as `fetch_from` (an IPv6 address in brackets; `::`, every interface,
+    announces this machine's name), and a fetch from it, whole then by delta, gives the files."""
+    digests = publish_versions(tmp_path / "w", 2)
+    server = WeightServer(tmp_path / "w", host=host, chunk_bytes=CHUNK_BYTES).start()
+    try:
+        assert P.ENDPOINT.fullmatch(server.address)
+        port = server.address.rpartition(":")[2]
+        assert server.address == (f"tcp://[::1]:{port}" if host == "::1" else f"tcp://{socket.gethostname()}:{port}")
+        for at in ("[::1]", "127.0.0.1") if host == "::" else ("[::1]",):
+            dest = tmp_path / f"fetched-{at}"
+            first = fetch_version(f"tcp://{at}:{port}", 1, digests[1], dest, timeout_s=20)
+            second = fetch_version(f"tcp://{at}:{port}", 2, digests[2], dest, Base(1, first.path, digests[1]),
+                                   timeout_s=20)
+            assert second.base == 1 and same_files(second.path, tmp_path / "w" / "v2")
+    finally:
+        server.close()
 
 
 def test_the_trainer_announces_its_weight_server_and_what_it_publishes_can_be_fetched(tiny_model, tmp_path):
