@@ -225,5 +225,6 @@ def start(cfg, component: str, name: str | None = None) -> Started:
         started.sinks.append(sink)
         if isinstance(sink, Prometheus):
             started.prometheus = sink
-            log.info("metrics_serving", url=f"http://{m.prometheus_host}:{sink.port}/metrics")
+            host = f"[{m.prometheus_host}]" if ":" in m.prometheus_host else m.prometheus_host
+            log.info("metrics_serving", url=f"http://{host}:{sink.port}/metrics")
     return started

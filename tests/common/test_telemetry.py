@@ -11,6 +11,7 @@ from structlog.testing import capture_logs
 
 from rlbus.common import metrics, telemetry
 from rlbus.common.config import load_config
+from tests.conftest import free_port, ipv6_loopback
 
 STEP = dict(step=3, new_version=4, loss=0.5, reward_mean=0.25, samples=8, tokens=80, tokens_per_s=100.0,
             step_s=2.0, wait_s=0.5, publish_s=0.1, staleness={"0": 6, "2": 2}, rejected={}, reward_std=None)
@@ -77,3 +78,19 @@ def test_a_sink_that_cannot_start_is_a_warning_and_the_others_start(tmp_path, mo
     acc = EventAccumulator(str(tmp_path / "tensorboard" / "trainer")).Reload()
     assert [(e.step, e.value) for e in acc.Scalars("train_step/loss")] == [(3, 0.5)]
     assert not any(isinstance(s, (telemetry.Prometheus, telemetry.TensorBoard)) for s in metrics._sinks)
+
+
+@ipv6_loopback
+def test_prometheus_on_an_ipv6_address_logs_a_url_that_reaches_it(tmp_path):
+    cfg = load_config(None, [f"run.dir={tmp_path}", "metrics.prometheus_host=::1",
+                             f"metrics.prometheus_port={free_port()}"], environ={})
+    with capture_logs() as logs:
+        started = telemetry.start(cfg, "broker")
+    try:
+        url = next(e["url"] for e in logs if e["event"] == "metrics_serving")
+        assert url == f"http://[::1]:{started.prometheus.port}/metrics"
+        metrics.emit("train_step", **STEP)
+        text = urllib.request.urlopen(url, timeout=5).read().decode()
+        assert "rlbus_trainer_step 3.0" in text
+    finally:
+        started.close()
