@@ -123,13 +123,15 @@ def bucket_digest(buckets: list, algorithm: str | None = None) -> str:
 
 
 def local_address_towards(host: str) -> str:
-    """This host's address on the route to `host` (no packet is sent)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect((host, 9))
+    """This host's address on the route to `host`, of its family (gloo pairs only addresses of one family); no
+    packet is sent."""
+    try:
+        family, kind, _, _, address = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, kind) as s:
+            s.connect(address)
             return s.getsockname()[0]
-        except OSError:
-            return "127.0.0.1"
+    except OSError:
+        return "127.0.0.1"
 
 
 def serve_store(host: str, port: int, timeout_s: float):

@@ -11,8 +11,9 @@ import time
 import pytest
 import torch
 
-from rlbus.weights.broadcast import (BroadcastError, Layout, bucket_digest, epoch_store, make_comm, serve_store,
-                                      unique_tensors)
+from rlbus.weights.broadcast import (BroadcastError, Layout, bucket_digest, epoch_store, local_address_towards,
+                                      make_comm, serve_store, unique_tensors)
+from tests.conftest import ipv6_loopback
 from tests.helpers import bcast_member
 
 TIMEOUT_S = 15.0
@@ -49,14 +50,16 @@ def test_unique_tensors_drop_tied_duplicates():
 class Root:
     """The trainer's end: the run's store, one epoch, rank 0."""
 
-    def __init__(self, epoch: int, world: int, w: dict[str, torch.Tensor], versions: dict[int, dict]):
-        self.store, port = serve_store("127.0.0.1", 0, TIMEOUT_S)
+    def __init__(self, epoch: int, world: int, w: dict[str, torch.Tensor], versions: dict[int, dict],
+                 host: str = "127.0.0.1"):
+        self.host = host
+        self.store, port = serve_store(host, 0, TIMEOUT_S)
         self.layout = Layout.plan(list(w.items()), bucket_bytes=20_000)
         self.buckets = {}
         for version, tensors in versions.items():
             self.buckets[version] = self.layout.allocate()
             self.layout.fill(self.buckets[version], tensors)
-        self.ann = {"epoch": epoch, "backend": "gloo", "address": f"127.0.0.1:{port}", "world": world,
+        self.ann = {"epoch": epoch, "backend": "gloo", "address": f"{host}:{port}", "world": world,
                     "timeout_s": TIMEOUT_S,
                     "digests": {str(v): bucket_digest(b) for v, b in self.buckets.items()}}
         self.open(epoch, world)
@@ -67,7 +70,7 @@ class Root:
         self.kv.set("layout", self.layout.to_bytes())
 
     def comm(self):
-        return make_comm("gloo", self.kv, 0, self.ann["world"], TIMEOUT_S, "127.0.0.1")
+        return make_comm("gloo", self.kv, 0, self.ann["world"], TIMEOUT_S, self.host)
 
 
 def spawn(target, *args):
@@ -110,6 +113,17 @@ def test_two_members_receive_two_versions_in_one_epoch():
         for name, t in versions[version].items():
             assert tensors[name] == bcast_member.fingerprint(t), (rank, version, name)
         assert root.kv.check([f"done/{version}/{rank}"])
+
+
+@ipv6_loopback
+def test_a_rendezvous_on_an_ipv6_address_pairs_the_members_on_that_family():
+    """gloo pairs addresses of one family only: a member takes its own on the route to the trainer's."""
+    assert local_address_towards("::1") == "::1" and local_address_towards("127.0.0.1") == "127.0.0.1"
+    version = weights(1)
+    root = Root(1, 2, weights(0), {1: version}, host="::1")
+    status, rank, got, tensors, _, _ = receive_alone(root, 1, 60)
+    assert (status, rank, got) == ("ok", 1, 1)
+    assert all(tensors[name] == bcast_member.fingerprint(t) for name, t in version.items())
 
 
 def test_corrupted_bytes_fail_the_digest_check():
