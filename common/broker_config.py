@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BeforeValidator, Field, model_validator
 
 from rlbus.common.protocol import EVERY_INTERFACE, tcp
-from rlbus.common.sections import Endpoint, Section
+from rlbus.common.sections import Endpoint, Host, Section, checked_host
 
 
 class BufferConfig(Section):
@@ -25,8 +25,8 @@ class BufferConfig(Section):
 
 
 class BrokerConfig(Section):
-    host: str = "127.0.0.1"
-    """Address the broker binds (0.0.0.0 to serve other hosts)."""
+    host: Host = "127.0.0.1"
+    """Address the broker binds: a name, an IPv4 or an IPv6 address (0.0.0.0 to serve other hosts; :: for IPv6 too)."""
     port: int = Field(5555, ge=0, le=65535)
     """Request (ROUTER) port; 0 picks a free port (written to endpoints.json in the buffer directory, and passed
     on to the others by `rlbus up`)."""
@@ -62,9 +62,14 @@ class BrokerConfig(Section):
     @model_validator(mode="before")
     @classmethod
     def _dial_what_is_bound(cls, data: Any) -> Any:
-        port = data.get("port") if isinstance(data, dict) and "address" not in data else None
-        if isinstance(port, int) and not isinstance(port, bool) and 0 < port <= 65535:
-            data = {**data, "address": dialled(str(data.get("host", "127.0.0.1")), port)}
+        if not isinstance(data, dict) or "address" in data:
+            return data
+        port, host = data.get("port", 5555), data.get("host", "127.0.0.1")
+        if isinstance(port, int) and not isinstance(port, bool) and 0 < port <= 65535 and isinstance(host, str):
+            try:
+                data = {**data, "address": dialled(checked_host(host), port)}
+            except ValueError:
+                pass  # the host's own check names it
         return data
 
 

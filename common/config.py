@@ -24,7 +24,7 @@ from pydantic import AfterValidator, Field, ValidationError, model_validator
 from rlbus.common.broker_config import BrokerConfig, BufferConfig  # noqa: F401
 from rlbus.common.reward_config import RewardConfig, RewardTerm  # noqa: F401
 from rlbus.common.sections import (  # noqa: F401
-    AlgorithmConfig, DataConfig, ExplorerConfig, ModelConfig, RolloutConfig, Section, SyncConfig, TrainerConfig)
+    AlgorithmConfig, DataConfig, ExplorerConfig, Host, ModelConfig, RolloutConfig, Section, SyncConfig, TrainerConfig)
 
 
 class ConfigError(ValueError):
@@ -51,7 +51,7 @@ class MetricsConfig(Section):
     prometheus_port: int = Field(0, ge=0, le=65535)
     """Serve Prometheus `/metrics` on this port (0: off). `rlbus up` gives the broker this port, the trainer the
     next one and explorer i port + 2 + i."""
-    prometheus_host: str = "127.0.0.1"
+    prometheus_host: Host = "127.0.0.1"
     """Address the `/metrics` server binds (0.0.0.0 for a Prometheus on another host)."""
     tensorboard: bool = True
     """TensorBoard scalars of the trainer's steps and the explorers' evaluations, in RUN_DIR/tensorboard/."""

@@ -4,6 +4,8 @@ Every field has a docstring (shown by `rlbus config` tools and in errors) and a 
 
 from __future__ import annotations
 
+import ipaddress
+import re
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
@@ -129,7 +131,7 @@ class SyncConfig(Section):
     """Upper bound on every wait of a weight sync (a broadcast that runs past it is aborted)."""
     broadcast_backend: Literal["auto", "gloo", "nccl"] = "auto"
     """nccl method: the communicator; auto means cupy NCCL where CUDA is present, else torch gloo (CPU)."""
-    rendezvous_host: str = "127.0.0.1"
+    rendezvous_host: Host = "127.0.0.1"
     """nccl method: the trainer's address that explorers reach for the broadcast rendezvous."""
     rendezvous_port: int = Field(0, ge=0, le=65535)
     """nccl method: the rendezvous store's port on the trainer (0: a free one, announced on the bus)."""
@@ -138,11 +140,11 @@ class SyncConfig(Section):
     serve: bool = True
     """Serve every published version over the network (weights/server.py), so explorers that cannot read the
     trainer's run directory fetch it, as deltas against the version they hold."""
-    serve_host: str = "127.0.0.1"
+    serve_host: Host = "127.0.0.1"
     """The interface the trainer's weight server binds (0.0.0.0: every IPv4 one; `::`: every one)."""
     serve_port: int = Field(0, ge=0, le=65535)
     """The weight server's port (0: a free one; the bus announces it)."""
-    serve_advertise: str = ""
+    serve_advertise: HostOrEmpty = ""
     """The host explorers dial for weights (default: serve_host, or this machine's hostname for 0.0.0.0 or ::)."""
     serve_authorized_dir: str = ""
     """With CurveZMQ on: the client public keys the weight server admits (default: broker.curve_authorized_dir)."""
@@ -192,6 +194,29 @@ def _endpoint(value: str) -> str:
 
 
 Endpoint = Annotated[str, AfterValidator(_endpoint)]
+
+_NAME = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?|\*")  # a host name or IPv4 address; *: every one
+
+
+def checked_host(value: str) -> str:
+    """A host to bind or to dial, as `broker.host` and the others take it: a name, an IPv4 address or an IPv6
+    address (brackets around it are dropped); never a URL or a port."""
+    bare = value[1:-1] if value.startswith("[") and value.endswith("]") else value
+    if not _NAME.fullmatch(bare) and not _ipv6(bare):
+        raise ValueError("must be a host name or an IP address, without a port (0.0.0.0 or :: for every interface)")
+    return bare
+
+
+def _ipv6(text: str) -> bool:
+    try:
+        ipaddress.IPv6Address(text)
+    except ValueError:
+        return False
+    return True
+
+
+Host = Annotated[str, AfterValidator(checked_host)]
+HostOrEmpty = Annotated[str, AfterValidator(lambda value: value and checked_host(value))]
 
 
 class RolloutConfig(Section):

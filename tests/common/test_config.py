@@ -52,6 +52,12 @@ def test_off_stays_a_string_and_a_mapping_needs_braces():
     (["data.revisit_times=0"], "data.revisit_times = 0"),
     (["broker.address=broker-host:5555"], "broker.address = 'broker-host:5555': must be tcp://HOST:PORT"),
     (["broker.pub_address=tcp://h"], "broker.pub_address = 'tcp://h': must be tcp://HOST:PORT"),
+    (["broker.host=tcp://10.0.0.5"], "broker.host = 'tcp://10.0.0.5': must be a host name or an IP address"),
+    (["broker.host=broker-host:5555"], "broker.host = 'broker-host:5555': must be a host name or an IP address, "
+                                       "without a port"),
+    (["sync.serve_host=beef:1"], "sync.serve_host = 'beef:1': must be a host name or an IP address"),
+    (["sync.serve_advertise=a b"], "sync.serve_advertise = 'a b': must be a host name"),
+    (["metrics.prometheus_host=h/x"], "metrics.prometheus_host = 'h/x': must be a host name"),
     (["launch.trainer_cpus=0-x"], "launch.trainer_cpus = '0-x': cpu list '0-x': use core numbers and ranges"),
     (["launch.broker_cpus=3-1"], "launch.broker_cpus = '3-1'"),
     (['launch.explorer_cpus=["0", "²"]'], "launch.explorer_cpus.1 = '²'"),
@@ -71,6 +77,9 @@ def test_bad_values_name_field_value_and_remedy(sets, needle):
     (["broker.host=0.0.0.0", "broker.port=6000"], "tcp://127.0.0.1:6000", "tcp://127.0.0.1:5556"),
     (["broker.host=broker-host", "broker.port=6000"], "tcp://broker-host:6000", "tcp://broker-host:5556"),
     (["broker.host=::1", "broker.port=6000"], "tcp://[::1]:6000", "tcp://[::1]:5556"),
+    (["broker.host=broker-host"], "tcp://broker-host:5555", "tcp://broker-host:5556"),
+    (["broker.host=fd00::5"], "tcp://[fd00::5]:5555", "tcp://[fd00::5]:5556"),
+    (["broker.host=::"], "tcp://127.0.0.1:5555", "tcp://127.0.0.1:5556"),
     (["broker.port=6000", "broker.address=tcp://far:7000"], "tcp://far:7000", "tcp://far:5556"),
     (["broker.port=0"], "tcp://127.0.0.1:5555", "tcp://127.0.0.1:5556"),  # nothing to dial: give the address
 ])
@@ -78,6 +87,14 @@ def test_peers_dial_the_brokers_host_and_port_unless_given_an_address(sets, addr
     """One config with only `broker.port` serves the broker and its peers alike."""
     cfg = load_config(None, sets, environ={})
     assert (cfg.broker.address, cfg.bus_address()) == (address, bus)
+
+
+def test_an_ipv6_host_may_come_in_brackets(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text('broker:\n  host: "[fd00::5]"\nsync:\n  serve_advertise: "[fd00::6]"\n')
+    cfg = load_config(f, environ={})
+    assert (cfg.broker.host, cfg.broker.address, cfg.sync.serve_advertise) == ("fd00::5", "tcp://[fd00::5]:5555",
+                                                                                "fd00::6")
 
 
 @pytest.mark.parametrize("host, dialled", [("0.0.0.0", "127.0.0.1"), ("::", "127.0.0.1"), ("::1", "[::1]"),
