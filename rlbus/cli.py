@@ -89,7 +89,7 @@ def broker(config: ConfigArg = None, set: SetOpt = None,
     if port is not None:
         sets.append(f"broker.port={port}")
     if host is not None:
-        sets.append(f"broker.host={host}")
+        sets.append(f"broker.host={json.dumps(host)}")  # a string as given: [::1] is no YAML list here
     cfg = _load(config, sets)
     _logging(cfg, "broker", peer="broker")
     from rlbus.broker.main import run
