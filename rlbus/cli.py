@@ -191,6 +191,13 @@ def mirror(config: ConfigArg = None, set: SetOpt = None,
     if keep < 2 or not 0 <= port <= 65535:
         typer.echo("error: --keep is 2 or more and --port 0 to 65535", err=True)
         raise typer.Exit(2)
+    from rlbus.common.sections import checked_host
+
+    try:
+        host, advertise = checked_host(host), advertise and checked_host(advertise)
+    except ValueError as exc:
+        typer.echo(f"error: --host and --advertise: {exc}", err=True)
+        raise typer.Exit(2) from None
     _logging(cfg, "mirror", peer="mirror")
     from rlbus.weights.mirror import run
 

@@ -148,6 +148,7 @@ def test_a_component_pinned_only_to_cores_this_host_lacks_is_refused_before_anyt
     (["trainer", "--set", "model.path={empty}"], "error: model.path='{empty}' is a directory without config.json"),
     (["reward", "--service", "nosuch"], "error: unknown reward 'nosuch': registered ones are"),
     (["model", "prepare", "nosuch"], "error: unknown bundled model 'nosuch'"),
+    (["mirror", "--host", "tcp://0.0.0.0"], "error: --host and --advertise: must be a host name or an IP address"),
 ])
 def test_a_setting_a_component_finds_it_cannot_use_is_one_error_line_and_exit_2(tmp_path, command, error):
     """Not a traceback: a model path that is no model, a reward service nobody registered, a model not bundled."""
