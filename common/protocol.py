@@ -84,6 +84,7 @@ def allow_ipv6(sock: Any, endpoint: str) -> None:
     address, where a broker on an IPv4 address is not)."""
     sock.ipv6 = endpoint.startswith("tcp://[")
 
+
 _brief = reprlib.Repr()
 _brief.maxlevel, _brief.maxstring, _brief.maxother, _brief.maxlist, _brief.maxdict = 2, 40, 40, 4, 4
 

@@ -128,8 +128,7 @@ class WeightServer:
                 self.auth.stop()
             self.sock.close(0)
             self.ctx.term()
-            raise OSError(f"the weight server cannot listen on {host}:{port or 'a free port'} ({settings}): "
-                          f"{exc}") from exc
+            raise OSError(f"the weight server cannot listen on {endpoint} ({settings}): {exc}") from exc
         self.address = advertised(host, advertise, port)
         # (manifest, client, command, request, patience): patience is (when a delta's wait ends, the wait), or None
         self._waiting: list[tuple[Future, bytes, bytes, Request, tuple[float, float] | None]] = []
