@@ -12,6 +12,7 @@ value fails with the field's dotted name, the value and what is allowed.
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -239,3 +240,22 @@ def parse_cpus(spec: str) -> set[int]:
 
 def dump_config(cfg: RunConfig) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def writable_dirs(cfg: RunConfig, component: str) -> None:
+    """Create the directories `component` writes to, and open its log file; ConfigError naming the setting of one
+    it cannot write to (a path under a file, a read-only place), before anything starts."""
+    dirs = {"broker": {"buffer.dir" if cfg.buffer.dir else "run.dir": cfg.buffer_dir()},
+            "up": {"run.dir": Path(cfg.run.dir)}, "trainer": {"run.dir": Path(cfg.run.dir)}}.get(component, {})
+    if cfg.logging.file:
+        dirs["logging.file"] = Path(cfg.logging.file).parent
+    for setting, path in dirs.items():
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            if not os.access(path, os.W_OK | os.X_OK):
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+            if setting == "logging.file":
+                path = Path(cfg.logging.file)
+                open(path, "a").close()
+        except OSError as exc:
+            raise ConfigError(f"{setting}: cannot write to {str(path)!r} ({exc.strerror})") from None

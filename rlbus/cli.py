@@ -75,8 +75,12 @@ def _on_run(tool, run_dir: Path, *args):
 
 
 def _logging(cfg, component: str, **context):
+    """Logging set up, once the directories the component writes to are known to be writable."""
+    from rlbus.common.config import writable_dirs
     from rlbus.common.logging import setup_logging
 
+    with _config_errors():
+        writable_dirs(cfg, component)
     return setup_logging(component, cfg.logging.level, cfg.logging.format, cfg.logging.file or None, **context)
 
 

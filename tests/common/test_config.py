@@ -166,6 +166,29 @@ def test_a_setting_a_component_finds_it_cannot_use_is_one_error_line_and_exit_2(
     assert "Traceback" not in proc.stderr + proc.stdout
 
 
+@pytest.mark.parametrize("command, sets, error", [
+    ("broker", ["run.dir={file}/run"], "error: run.dir: cannot write to '{file}/run/buffer' (Not a directory)"),
+    ("broker", ["buffer.dir={file}/b"], "error: buffer.dir: cannot write to '{file}/b' (Not a directory)"),
+    ("trainer", ["run.dir={file}/run"], "error: run.dir: cannot write to '{file}/run' (Not a directory)"),
+    ("up", ["run.dir={file}/run"], "error: run.dir: cannot write to '{file}/run' (Not a directory)"),
+    ("broker", ["logging.file={dir}"], "error: logging.file: cannot write to '{dir}' (Is a directory)"),
+])
+def test_a_directory_a_component_cannot_write_to_is_one_error_line_naming_its_setting(tmp_path, command, sets,
+                                                                                      error):
+    """Said before anything starts (nothing is bound, no model loaded), not as a traceback."""
+    import subprocess
+    import sys
+
+    (tmp_path / "file").write_text("a file, not a directory")
+    paths = {"file": tmp_path / "file", "dir": tmp_path}
+    args = [sys.executable, "-m", "rlbus.cli", command, "--set", "broker.port=0", "--set", "broker.pub_port=0"]
+    for s in sets:
+        args += ["--set", s.format(**paths)]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == error.format(**paths)
+
+
 def test_version_names_the_package_and_the_wire_protocol():
     import subprocess
     import sys
