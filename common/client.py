@@ -40,6 +40,7 @@ import zmq
 
 from rlbus.common import protocol as P
 from rlbus.common.connection import BrokerError, BrokerUnreachable, Connection, _Request  # noqa: F401
+from rlbus.common.curve import client_keys
 
 log = structlog.get_logger()
 
@@ -72,7 +73,8 @@ class BrokerClient(Connection):
         self.policy_version = policy_version
         self.capabilities = capabilities or {}
         self.rollout = rollout  # the rollout settings this peer was given; the broker checks they agree
-        self.curve = (curve_server_key, curve_client_key) if curve_server_key else None
+        # The key files are read here: a missing one is a ConfigError to the caller, not a dead I/O thread.
+        self.curve = client_keys(curve_server_key, curve_client_key) if curve_server_key else None
         self.max_in_flight = max_in_flight
         self.on_weights = on_weights
         self.ctx = ctx or zmq.Context.instance()

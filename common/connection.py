@@ -20,7 +20,7 @@ import structlog
 import zmq
 
 from rlbus.common import protocol as P
-from rlbus.common.curve import configure_client
+from rlbus.common.curve import use_keys
 
 log = structlog.get_logger()
 
@@ -65,7 +65,7 @@ class Connection:
         self.sock.setsockopt(zmq.SNDHWM, 0)
         self.sock.setsockopt(zmq.RCVHWM, 0)
         if self.curve:
-            configure_client(self.sock, *self.curve)
+            use_keys(self.sock, *self.curve)
         P.allow_ipv6(self.sock, self.address)
         self.sock.connect(self.address)
         self._last_recv = time.monotonic()
@@ -77,7 +77,7 @@ class Connection:
             self.sub = self.ctx.socket(zmq.SUB)
             self.sub.setsockopt(zmq.LINGER, 0)
             if self.curve:
-                configure_client(self.sub, *self.curve)
+                use_keys(self.sub, *self.curve)
             self.sub.setsockopt(zmq.SUBSCRIBE, P.TOPIC_WEIGHTS)
             P.allow_ipv6(self.sub, self.bus_address)
             self.sub.connect(self.bus_address)

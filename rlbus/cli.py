@@ -7,12 +7,11 @@ never imports torch or vllm.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import signal
 import sys
 from pathlib import Path
-from typing import Annotated, Iterator, Optional
+from typing import Annotated, Optional
 
 import typer
 
@@ -45,24 +44,10 @@ BrokerOpt = Annotated[Optional[str], typer.Option(help="Broker address, e.g. tcp
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", "-s", help="Override a field: --set trainer.lr=1e-6")]
 
 
-@contextlib.contextmanager
-def _config_errors() -> Iterator[None]:
-    """A configuration that cannot be used, whether found on loading it or by a component that takes it (a model
-    path that is not a model): one error line and exit 2 (the component's log has the details)."""
-    from rlbus.common.config import ConfigError
-
-    try:
-        yield
-    except ConfigError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
-
-
 def _load(config: Optional[Path], sets: Optional[list[str]]):
     from rlbus.common.config import load_config
 
-    with _config_errors():
-        return load_config(config, sets or [])
+    return load_config(config, sets or [])
 
 
 def _on_run(tool, run_dir: Path, *args):
@@ -79,8 +64,7 @@ def _logging(cfg, component: str, **context):
     from rlbus.common.config import writable_dirs
     from rlbus.common.logging import setup_logging
 
-    with _config_errors():
-        writable_dirs(cfg, component)
+    writable_dirs(cfg, component)
     return setup_logging(component, cfg.logging.level, cfg.logging.format, cfg.logging.file or None, **context)
 
 
@@ -108,8 +92,7 @@ def up(config: ConfigArg = None, set: SetOpt = None) -> None:
     _logging(cfg, "up")
     from rlbus.launcher import run
 
-    with _config_errors():
-        code = run(cfg)
+    code = run(cfg)
     raise typer.Exit(code)
 
 
@@ -128,8 +111,7 @@ def explorer(config: ConfigArg = None, set: SetOpt = None,
     _logging(cfg, "explorer", peer=cfg.explorer.name or None)
     from rlbus.explorer.main import run
 
-    with _config_errors():
-        run(cfg)
+    run(cfg)
 
 
 @app.command()
@@ -149,8 +131,7 @@ def trainer(config: ConfigArg = None, set: SetOpt = None,
         raise typer.Exit(supervise(cfg))
     from rlbus.trainer.main import run
 
-    with _config_errors():
-        run(cfg)
+    run(cfg)
 
 
 @app.command()
@@ -167,8 +148,7 @@ def reward(config: ConfigArg = None, set: SetOpt = None,
     _logging(cfg, "reward", peer=name)
     from rlbus.reward.worker import run
 
-    with _config_errors():
-        run(cfg, list(service or cfg.reward.services), name)
+    run(cfg, list(service or cfg.reward.services), name)
 
 
 @app.command()
@@ -369,8 +349,7 @@ def model_prepare(name: Annotated[str, typer.Argument(help="Bundled model name."
 
     view = Phases(f"model {name}") if wanted("auto") else None
     try:
-        with _config_errors():
-            path = prepare_bundled(name, cache_dir, **({"phase": view} if view else {}))
+        path = prepare_bundled(name, cache_dir, **({"phase": view} if view else {}))
     finally:
         if view is not None:
             view.close()
@@ -391,7 +370,16 @@ def model_tiny(directory: Annotated[Path, typer.Argument(help="Where to write th
 
 
 def main() -> None:
-    app()
+    try:
+        app()
+    except ValueError as exc:  # a ConfigError, found on loading the config or by the command that takes it (a
+        # model path that is no model, a missing key file): one error line and exit 2, the log has the details
+        from rlbus.common.config import ConfigError
+
+        if not isinstance(exc, ConfigError):
+            raise
+        typer.echo(f"error: {exc}", err=True)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -114,7 +114,8 @@ class WeightServer:
 
             from rlbus.common.curve import load_server_auth
 
-            self.auth = load_server_auth(self.ctx, curve[0], curve[1], [self.sock])
+            self.auth = load_server_auth(self.ctx, curve[0], curve[1], [self.sock], (
+                "broker.curve_client_key", "sync.serve_authorized_dir (default: broker.curve_authorized_dir)"))
             self.public_key = load_certificate(curve[0])[0].decode()
         endpoint = P.tcp("*" if host in ("0.0.0.0", "*", "") else host, port or "*")  # "::": both families
         P.allow_ipv6(self.sock, endpoint)

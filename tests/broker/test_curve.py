@@ -36,3 +36,18 @@ def test_listed_client_talks_unlisted_gets_nothing(broker_factory, keys):
     finally:
         for c in (alice, mallory, plain):
             c.close(bye=False, timeout=1)
+
+
+def test_a_key_file_that_is_missing_or_no_key_is_a_config_error_naming_its_setting(keys, tmp_path):
+    """Said where the client is made, not by its I/O thread dying while the caller waits for a WELCOME."""
+    from rlbus.common.config import ConfigError
+
+    (tmp_path / "text").write_text("not a key")
+    cases = {("nope.key", "authorized/alice.key_secret"): "broker.curve_server_key='.*nope.key': no such key file",
+             ("text", "authorized/alice.key_secret"): "broker.curve_server_key='.*text': not a CurveZMQ key file",
+             ("broker/broker.key", "authorized/alice.key"): "broker.curve_client_key='.*alice.key' holds no secret",
+             ("broker/broker.key", ""): r"needs this client's key pair \(broker.curve_client_key\)"}
+    for (server, client), error in cases.items():
+        with pytest.raises(ConfigError, match=error):
+            BrokerClient("tcp://127.0.0.1:1", "tool", curve_server_key=str(keys / server),
+                         curve_client_key=str(keys / client) if client else "")

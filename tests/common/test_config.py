@@ -149,9 +149,14 @@ def test_a_component_pinned_only_to_cores_this_host_lacks_is_refused_before_anyt
     (["reward", "--service", "nosuch"], "error: unknown reward 'nosuch': registered ones are"),
     (["model", "prepare", "nosuch"], "error: unknown bundled model 'nosuch'"),
     (["mirror", "--host", "tcp://0.0.0.0"], "error: --host and --advertise: must be a host name or an IP address"),
+    (["broker", "--set", "broker.curve_secret_key={empty}/nope", "--set", "broker.curve_authorized_dir={empty}",
+      "--set", "broker.port=0", "--set", "broker.pub_port=0"],
+     "error: broker.curve_secret_key='{empty}/nope': no such key file (make a pair with `rlbus keys DIR NAME`)"),
+    (["status", "--set", "broker.curve_server_key={empty}/nope"], "error: broker.curve_server_key='{empty}/nope'"),
 ])
 def test_a_setting_a_component_finds_it_cannot_use_is_one_error_line_and_exit_2(tmp_path, command, error):
-    """Not a traceback: a model path that is no model, a reward service nobody registered, a model not bundled."""
+    """Not a traceback: a model path that is no model, a reward service nobody registered, a model not bundled, a
+    key file that is not there."""
     import subprocess
     import sys
 
