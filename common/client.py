@@ -54,6 +54,16 @@ def default_name(role: str) -> str:
     return f"{role}-{socket.gethostname()}-{os.getpid()}-{next(_NAMED)}-{uuid.uuid4().hex[:6]}"
 
 
+def _unresolved(address: str) -> str | None:
+    """The host of `address` when it is a name this host cannot resolve (else None)."""
+    host = address.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+    try:
+        socket.getaddrinfo(host, None)
+    except (socket.gaierror, UnicodeError):
+        return host
+    return None
+
+
 class BrokerClient(Connection):
     def __init__(self, address: str, role: str, name: str | None = None, *, bus_address: str | None = None,
                  heartbeat_interval_s: float = 1.0, liveness: int = 5, backoff_initial_s: float = 0.1,
@@ -88,7 +98,7 @@ class BrokerClient(Connection):
         self.inbox: queue.Queue[P.Message] = queue.Queue()
         self._lock = threading.Lock()
         self._welcomed = threading.Event()  # set by WELCOME, or by a refused first HELLO
-        self._hello_error: BrokerError | None = None
+        self._hello_error: Exception | None = None  # a refused first HELLO, or the I/O thread's failure
         self._hello_req = -1
         self._retry_hello_at = 0.0
         self._start_deadline = float("inf")
@@ -110,7 +120,9 @@ class BrokerClient(Connection):
         self._start_deadline = time.monotonic() + (timeout if timeout is not None else float("inf"))
         self._thread.start()
         if not self._welcomed.wait(timeout):
-            raise TimeoutError(f"no WELCOME from the broker at {self.address} within {timeout} s; is it running?")
+            host = _unresolved(self.address)
+            hint = f"its host {host!r} does not resolve here" if host else "is it running?"
+            raise TimeoutError(f"no WELCOME from the broker at {self.address} within {timeout} s; {hint}")
         if self._hello_error is not None:
             self.close(bye=False)
             raise self._hello_error

@@ -93,9 +93,10 @@ class Connection:
         self._welcome_ok = False
         self._backoff = self.backoff_initial
         self._last_send = 0.0
-        self._open()
-        self._open_bus()
+        self.sock = self.sub = None
         try:
+            self._open()
+            self._open_bus()
             while not self._stop.is_set():
                 poller = zmq.Poller()
                 poller.register(self.sock, zmq.POLLIN)
@@ -115,14 +116,18 @@ class Connection:
                     while self.sub.poll(0):
                         self._on_bus(self.sub.recv_multipart())
                 self._timers()
-        except Exception:  # a bug here must not leave callers waiting forever
+        except Exception as exc:  # a bug here must not leave callers waiting forever, nor `start` for a WELCOME
             log.exception("client_thread_failed", peer=self.name)
             self._stop.set()
-            self._fail_all(RuntimeError("broker client thread failed; see the log"))
+            error = RuntimeError(f"broker client thread failed ({type(exc).__name__}: {exc}); see the log")
+            self._fail_all(error)
+            if not self._welcomed.is_set():
+                self._hello_error = error
+                self._welcomed.set()
         finally:
-            self.sock.close(0)
-            if self.sub is not None:
-                self.sub.close(0)
+            for sock in (self.sock, self.sub):
+                if sock is not None:
+                    sock.close(0)
 
     def _take_outbox(self) -> None:
         with self._lock:

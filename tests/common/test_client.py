@@ -298,3 +298,20 @@ def test_a_client_the_broker_forgot_says_hello_once_and_resends_each_request_onc
     finally:
         client.close(bye=False, timeout=1)
         broker.sock.close(0)
+
+
+def test_a_broker_that_does_not_answer_is_named_with_the_likely_reason():
+    """A host name that does not resolve is said so; an address nobody serves asks whether the broker runs."""
+    with pytest.raises(TimeoutError, match="its host 'no-such-host.invalid' does not resolve here"):
+        BrokerClient("tcp://no-such-host.invalid:5555", "tool").start(0.5)
+    with pytest.raises(TimeoutError, match=r"tcp://127.0.0.1:1 within 0.5 s; is it running\?"):
+        BrokerClient("tcp://127.0.0.1:1", "tool").start(0.5)
+
+
+def test_a_client_whose_socket_cannot_open_fails_its_start_with_the_reason_not_a_timeout():
+    """The I/O thread's failure reaches the caller waiting for WELCOME (it waited out the whole timeout)."""
+    client = BrokerClient("tcp://a b:1", "tool")  # ZeroMQ refuses the address itself
+    with pytest.raises(RuntimeError, match=r"broker client thread failed \(ZMQError: Invalid argument"):
+        client.start(60)
+    with pytest.raises(BrokerUnreachable):
+        client.request(P.STATUS, timeout=60)
