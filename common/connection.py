@@ -357,7 +357,8 @@ class Connection:
             return
         if silent > self.liveness * self.hb:
             delay = min(self.backoff_max, self._backoff) * random.uniform(0.5, 1.0)
-            log.warning("broker_unreachable", peer=self.name, silent_s=round(silent, 2), retry_in_s=round(delay, 2))
+            log.warning("broker_unreachable", peer=self.name, address=self.address, silent_s=round(silent, 2),
+                        retry_in_s=round(delay, 2))
             self._stop.wait(delay)
             self._backoff = min(self.backoff_max, self._backoff * 2)
             self.sock.close(0)

@@ -11,6 +11,7 @@ import time
 
 import pytest
 import zmq
+from structlog.testing import capture_logs
 
 from rlbus.common import protocol as P
 from rlbus.common.client import BrokerClient, BrokerError, BrokerUnreachable, default_name
@@ -304,8 +305,15 @@ def test_a_broker_that_does_not_answer_is_named_with_the_likely_reason():
     """A host name that does not resolve is said so; an address nobody serves asks whether the broker runs."""
     with pytest.raises(TimeoutError, match="its host 'no-such-host.invalid' does not resolve here"):
         BrokerClient("tcp://no-such-host.invalid:5555", "tool").start(0.5)
-    with pytest.raises(TimeoutError, match=r"tcp://127.0.0.1:1 within 0.5 s; is it running\?"):
-        BrokerClient("tcp://127.0.0.1:1", "tool").start(0.5)
+    silent = BrokerClient("tcp://127.0.0.1:1", "tool", heartbeat_interval_s=0.05, liveness=2)
+    try:
+        with capture_logs() as logs:
+            with pytest.raises(TimeoutError, match=r"tcp://127.0.0.1:1 within 2 s; is it running\?"):
+                silent.start(2)
+    finally:
+        silent.close(bye=False, timeout=1)
+    # Its log says which broker it tries to reach.
+    assert any(e["event"] == "broker_unreachable" and e["address"] == "tcp://127.0.0.1:1" for e in logs)
 
 
 def test_a_client_whose_socket_cannot_open_fails_its_start_with_the_reason_not_a_timeout():
