@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from rlbus.common.messages import MAX_WORKERS
+from rlbus.common.messages import MAX_ID_CHARS, MAX_WORKERS
 from rlbus.common.protocol import ENDPOINT
 
 
@@ -241,7 +241,7 @@ class RolloutConfig(Section):
 
 
 class ExplorerConfig(Section):
-    name: str = ""
+    name: str = Field("", max_length=MAX_ID_CHARS)
     """Peer name; empty means explorer-<host>-<pid>."""
     tasks_per_lease: int = Field(4, ge=1)
     """Tasks asked for per LEASE."""
@@ -305,7 +305,7 @@ class ExplorerConfig(Section):
 
 
 class TrainerConfig(Section):
-    name: str = "trainer"
+    name: str = Field("trainer", min_length=1, max_length=MAX_ID_CHARS)
     """Peer name."""
     lr: float = Field(1e-5, gt=0)
     """Learning rate (AdamW)."""

@@ -372,14 +372,18 @@ def model_tiny(directory: Annotated[Path, typer.Argument(help="Where to write th
 def main() -> None:
     try:
         app()
-    except ValueError as exc:  # a ConfigError, found on loading the config or by the command that takes it (a
-        # model path that is no model, a missing key file): one error line and exit 2, the log has the details
+    except Exception as exc:  # said in one line, not a traceback:
         from rlbus.common.config import ConfigError
+        from rlbus.common.connection import BrokerError
 
-        if not isinstance(exc, ConfigError):
+        if isinstance(exc, ConfigError):  # found on loading the config or by the command that takes it (a model
+            code = 2  # path that is no model, a missing key file); exit 2, the log has the details
+        elif isinstance(exc, BrokerError):  # the broker's refusal (a HELLO under a name in use), its code first
+            code = 1
+        else:
             raise
         typer.echo(f"error: {exc}", err=True)
-        raise SystemExit(2) from None
+        raise SystemExit(code) from None
 
 
 if __name__ == "__main__":

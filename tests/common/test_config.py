@@ -55,6 +55,8 @@ def test_off_stays_a_string_and_a_mapping_needs_braces():
     (["broker.host=tcp://10.0.0.5"], "broker.host = 'tcp://10.0.0.5': must be a host name or an IP address"),
     (["broker.host=broker-host:5555"], "broker.host = 'broker-host:5555': must be a host name or an IP address, "
                                        "without a port"),
+    ([f"explorer.name={'x' * 129}"], "String should have at most 128 characters"),
+    (["trainer.name=''"], "trainer.name = '': String should have at least 1 character"),
     (["sync.serve_host=beef:1"], "sync.serve_host = 'beef:1': must be a host name or an IP address"),
     (["sync.serve_advertise=a b"], "sync.serve_advertise = 'a b': must be a host name"),
     (["metrics.prometheus_host=h/x"], "metrics.prometheus_host = 'h/x': must be a host name"),

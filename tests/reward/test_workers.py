@@ -105,3 +105,14 @@ def test_a_worker_serves_its_counts_on_metrics(broker_factory, clients, workers)
     samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
     assert samples["rlbus_reward_scored_total"] == 3 and samples["rlbus_reward_jobs_total"] == 1
     assert samples["rlbus_reward_scoring_seconds_total"] > 0
+
+
+def test_a_worker_the_broker_refuses_exits_with_its_reason_in_one_line(broker, workers, tmp_path):
+    """A HELLO refused for good (a name over 128 characters): the broker's reason, exit 1, no traceback."""
+    name = "x" * 129
+    proc = workers(broker, name)
+    assert proc.wait(60) == 1
+    stderr = (tmp_path / f"{name}.log").read_text()
+    assert stderr.splitlines()[-1] == "error: bad_field: HELLO: Expected `str` of length <= 128 - at `$.name`", \
+        stderr[-2000:]
+    assert "Traceback" not in stderr
