@@ -39,8 +39,10 @@ import structlog
 import zmq
 
 from rlbus.common import protocol as P
-from rlbus.common.connection import BrokerError, BrokerUnreachable, Connection, _Request  # noqa: F401
+from rlbus.common.connection import (BrokerError, BrokerUnreachable, Connection, NoWelcome,  # noqa: F401
+                                     StoppedBeforeWelcome, _Request)
 from rlbus.common.curve import client_keys
+from rlbus.common.processes import stop_requested
 
 log = structlog.get_logger()
 
@@ -99,6 +101,7 @@ class BrokerClient(Connection):
         self._lock = threading.Lock()
         self._welcomed = threading.Event()  # set by WELCOME, or by a refused first HELLO
         self._hello_error: Exception | None = None  # a refused first HELLO, or the I/O thread's failure
+        self._refused: BrokerError | None = None  # the last refusal of a HELLO that is retried
         self._hello_req = -1
         self._retry_hello_at = 0.0
         self._start_deadline = float("inf")
@@ -119,10 +122,16 @@ class BrokerClient(Connection):
         (a name held by a peer that is expiring is retried while `timeout` allows)."""
         self._start_deadline = time.monotonic() + (timeout if timeout is not None else float("inf"))
         self._thread.start()
-        if not self._welcomed.wait(timeout):
-            host = _unresolved(self.address)
-            hint = f"its host {host!r} does not resolve here" if host else "is it running?"
-            raise TimeoutError(f"no WELCOME from the broker at {self.address} within {timeout} s; {hint}")
+        while not self._welcomed.wait(min(0.25, max(0.0, self._start_deadline - time.monotonic()))):
+            if stop_requested():  # a stop signal (Ctrl-C) while the broker is not there: no need to wait it out
+                self.close(bye=False, timeout=1)
+                raise StoppedBeforeWelcome(f"stopped before the broker at {self.address} welcomed {self.name}")
+            if time.monotonic() >= self._start_deadline:
+                if self._refused is not None:  # refused until now (a name a live peer holds): say why
+                    raise self._refused
+                host = _unresolved(self.address)
+                hint = f"its host {host!r} does not resolve here" if host else "is it running?"
+                raise NoWelcome(f"no WELCOME from the broker at {self.address} within {timeout} s; {hint}")
         if self._hello_error is not None:
             self.close(bye=False)
             raise self._hello_error

@@ -38,6 +38,14 @@ class BrokerUnreachable(ConnectionError):
     """The broker went silent while this peer was stopping: what waited for it will not be answered."""
 
 
+class NoWelcome(TimeoutError):
+    """No WELCOME within a client's start timeout: no broker answers at its address."""
+
+
+class StoppedBeforeWelcome(Exception):
+    """A stop signal reached the process while its client waited for the broker's WELCOME."""
+
+
 @dataclass(eq=False)
 class _Request:
     command: str
@@ -302,6 +310,7 @@ class Connection:
         first = not self._welcomed.is_set()
         if isinstance(retry, (int, float)) and (not first or time.monotonic() + retry < self._start_deadline):
             self._retry_hello_at = time.monotonic() + retry
+            self._refused = error  # what `start` says if its time runs out before a retry is welcomed
             return
         if first:
             self._hello_error = error

@@ -35,6 +35,13 @@ def terminate_with(parent: int) -> None:
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+_stop_requested = threading.Event()
+
+
+def stop_requested() -> bool:
+    """Whether a stop signal reached this process since `on_stop_signals` (for waits that precede a component's
+    own loop, such as a broker client's start)."""
+    return _stop_requested.is_set()
 
 
 def on_stop_signals(stop: Callable[[], None]) -> None:
@@ -50,6 +57,7 @@ def on_stop_signals(stop: Callable[[], None]) -> None:
 
     def relay() -> None:
         while os.read(readable, 1):
+            _stop_requested.set()
             stop()
 
     threading.Thread(target=relay, name="stop-signals", daemon=True).start()

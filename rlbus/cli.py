@@ -374,12 +374,15 @@ def main() -> None:
         app()
     except Exception as exc:  # said in one line, not a traceback:
         from rlbus.common.config import ConfigError
-        from rlbus.common.connection import BrokerError
+        from rlbus.common.connection import BrokerError, NoWelcome, StoppedBeforeWelcome
 
         if isinstance(exc, ConfigError):  # found on loading the config or by the command that takes it (a model
             code = 2  # path that is no model, a missing key file); exit 2, the log has the details
-        elif isinstance(exc, BrokerError):  # the broker's refusal (a HELLO under a name in use), its code first
+        elif isinstance(exc, (BrokerError, NoWelcome)):  # the broker's refusal (its code first), or no broker
             code = 1
+        elif isinstance(exc, StoppedBeforeWelcome):  # told to stop while the broker was not there yet
+            typer.echo(str(exc), err=True)
+            raise SystemExit(0) from None
         else:
             raise
         typer.echo(f"error: {exc}", err=True)

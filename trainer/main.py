@@ -41,7 +41,7 @@ import structlog
 import torch
 
 from rlbus.common import protocol as P
-from rlbus.common.client import BrokerClient, BrokerError, BrokerUnreachable
+from rlbus.common.client import BrokerClient, BrokerError, BrokerUnreachable, NoWelcome, StoppedBeforeWelcome
 from rlbus.common.config import ConfigError, RunConfig
 from rlbus.common import metrics as metrics_sink, telemetry
 from rlbus.common.logging import bind, significant
@@ -373,8 +373,10 @@ def run(cfg: RunConfig) -> None:
                 trainer.run()
         else:
             trainer.run()
-    except ConfigError as exc:  # a setting it cannot use: said in one line, no traceback
-        log.error("trainer_failed", error=str(exc))
+    except (ConfigError, NoWelcome, BrokerError) as exc:  # a setting it cannot use, no broker, or the broker's
+        log.error("trainer_failed", error=str(exc))  # refusal: said in one line, no traceback
+        raise
+    except StoppedBeforeWelcome:  # told to stop before the broker answered: nothing failed
         raise
     except Exception as exc:  # the log says why the trainer ended, not only stderr
         log.exception("trainer_failed", error=P.brief(exc))

@@ -377,3 +377,17 @@ def test_old_rollout_keys_are_a_clear_config_error():
     with pytest.raises(ConfigError, match="explorer.temperature is now rollout.temperature"):
         load_config(None, ["explorer.temperature=0.5"], environ={})
     assert load_config(None, ["rollout.temperature=0.5"], environ={}).rollout.temperature == 0.5
+
+
+def test_a_hello_under_a_live_peers_name_is_a_conflict_saying_when_that_peer_would_expire(broker, clients, raw_dealer):
+    """Another connection (another `session`) under the name of a live peer: `conflict` with `retry_after_s`,
+    at most the liveness window; with the same session it is the same peer reconnecting, and is welcomed."""
+    holder = clients(broker, "tool", "taken")
+    other = raw_dealer(broker.address)
+    other.send_multipart(P.encode(P.HELLO, {"role": "tool", "name": "taken", "session": "not-the-holder", "req": 1}))
+    refused = recv(other)
+    assert (refused.command, refused.header["code"], refused.header["req"]) == (P.ERROR, "conflict", 1)
+    assert refused.header["message"].startswith("name 'taken' belongs to a live tool")
+    assert 0 < refused.header["retry_after_s"] <= 5 * 0.2 + 0.5  # the test broker's liveness window, and a turn
+    other.send_multipart(P.encode(P.HELLO, {"role": "tool", "name": "taken", "session": holder.session, "req": 2}))
+    assert recv(other).command == P.WELCOME

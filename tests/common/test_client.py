@@ -323,3 +323,31 @@ def test_a_client_whose_socket_cannot_open_fails_its_start_with_the_reason_not_a
         client.start(60)
     with pytest.raises(BrokerUnreachable):
         client.request(P.STATUS, timeout=60)
+
+
+def test_a_hello_refused_until_starts_time_runs_out_is_that_refusal_not_a_timeout():
+    """A name a live peer holds is retried after `retry_after_s` (the holder may expire); when start's time runs
+    out with the retry unanswered, the caller gets the broker's refusal, not a timeout that asks whether the
+    broker runs. (The real broker's refusal itself: tests/broker/test_peers.py.)"""
+    broker = StandIn()
+    client = BrokerClient(broker.address, "tool", "taken", heartbeat_interval_s=0.2)
+    try:
+        outcome: list[BaseException] = []
+
+        def start() -> None:
+            try:
+                client.start(2)
+            except BaseException as exc:  # noqa: BLE001 (the test reads it)
+                outcome.append(exc)
+
+        starting = threading.Thread(target=start)
+        starting.start()
+        hello = broker.next()
+        broker.answer(P.ERROR, {"req": hello.header["req"], "code": "conflict", "retry_after_s": 0.5,
+                                "message": "name 'taken' belongs to a live tool"})
+        assert broker.next().command == P.HELLO  # the retry, left unanswered
+        starting.join(10)
+        assert len(outcome) == 1 and isinstance(outcome[0], BrokerError), outcome
+        assert str(outcome[0]) == "conflict: name 'taken' belongs to a live tool"
+    finally:
+        client.close(bye=False, timeout=1)

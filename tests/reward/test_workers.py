@@ -18,6 +18,7 @@ from rlbus.common.client import BrokerError
 from rlbus.reward.base import Response
 from rlbus.reward.worker import RemoteReward
 from tests.conftest import REPO, free_port
+from tests.helpers.waiting import wait_for
 
 SLOW = "tests.helpers.slow_reward:score"
 
@@ -115,4 +116,24 @@ def test_a_worker_the_broker_refuses_exits_with_its_reason_in_one_line(broker, w
     stderr = (tmp_path / f"{name}.log").read_text()
     assert stderr.splitlines()[-1] == "error: bad_field: HELLO: Expected `str` of length <= 128 - at `$.name`", \
         stderr[-2000:]
+    assert "Traceback" not in stderr
+
+
+def test_a_worker_told_to_stop_while_no_broker_answers_stops_at_once(tmp_path):
+    """^C while the broker is not there yet: exit 0 with a line that says so, not a wait for the start timeout
+    (60 s) and a traceback."""
+    log = tmp_path / "worker.log"
+    args = [sys.executable, "-m", "rlbus.cli", "reward", "--broker", f"tcp://127.0.0.1:{free_port()}",
+            "--set", "broker.heartbeat_interval_s=0.1", "--set", "broker.liveness=2", "--set", "logging.format=json"]
+    proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+    try:
+        wait_for(lambda: "broker_unreachable" in log.read_text(), 60, "the worker waiting for its broker")
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    stderr = log.read_text()
+    assert stderr.splitlines()[-1].startswith("stopped before the broker at tcp://127.0.0.1:"), stderr[-2000:]
     assert "Traceback" not in stderr
