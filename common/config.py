@@ -115,6 +115,15 @@ class RunConfig(Section):
                              f"would hold weights whose samples are too stale to train on; set swap_lag <= {bound}")
         return self
 
+    @model_validator(mode="after")
+    def _room_for_a_batch(self) -> "RunConfig":
+        need = self.data.batch_tasks * self.rollout.repeat
+        if self.buffer.capacity < need:
+            raise ValueError(f"buffer.capacity={self.buffer.capacity} cannot hold one batch (data.batch_tasks="
+                             f"{self.data.batch_tasks} x rollout.repeat={self.rollout.repeat} = {need} trajectories): "
+                             f"explorers would wait for room that never comes; set buffer.capacity >= {need}")
+        return self
+
     def buffer_dir(self) -> Path:
         return Path(self.buffer.dir) if self.buffer.dir else Path(self.run.dir) / "buffer"
 

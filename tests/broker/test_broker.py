@@ -300,7 +300,7 @@ def test_only_the_trainer_fetches_and_one_trainer_at_a_time(broker, clients):
 
 def test_full_buffer_defers_puts_and_refuses_leases_without_dropping(broker_factory, clients):
     """At capacity, PUTs wait for credit and LEASE says buffer_full; committing frees room and they go on."""
-    b = broker_factory("buffer.capacity=4", "rollout.repeat=2")
+    b = broker_factory("buffer.capacity=4", "rollout.repeat=2", "data.batch_tasks=2")
     ex = clients(b, "explorer", "ex")
     ex.put(group("a") + group("b"), timeout=5)
     assert ex.request(P.LEASE, {"max_tasks": 1, "policy_version": 0}).header["reason"] == "buffer_full"

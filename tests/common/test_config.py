@@ -47,6 +47,9 @@ def test_off_stays_a_string_and_a_mapping_needs_braces():
     (["explorer.streaming=true", "sync.sync_style=async", "sync.max_staleness=2", "explorer.swap_lag=3"],
      "set swap_lag <= 2"),
     (["explorer.kv_cache_mb=0"], "explorer.kv_cache_mb = 0"),
+    (["buffer.capacity=31", "rollout.repeat=8"], "buffer.capacity=31 cannot hold one batch (data.batch_tasks=4 x "
+                                                  "rollout.repeat=8 = 32 trajectories): explorers would wait for room "
+                                                  "that never comes; set buffer.capacity >= 32"),
     (["data.revisit=1"], "data.revisit = 1"),
     (["data.revisit=-0.1"], "data.revisit = -0.1"),
     (["data.revisit_times=0"], "data.revisit_times = 0"),
