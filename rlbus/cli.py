@@ -314,10 +314,16 @@ def replay(run_dir: Annotated[Path, typer.Argument(help="A finished (or stopped)
 
 @app.command()
 def keys(directory: Annotated[Path, typer.Argument(help="Where to write the key files.")],
-         name: Annotated[str, typer.Argument(help="Key name, e.g. broker or explorer-1.")]) -> None:
+         name: Annotated[str, typer.Argument(help="Key name, e.g. broker or explorer-1.")],
+         force: Annotated[bool, typer.Option(help="Replace a pair of that name (its peers then need the new "
+                                                  "public key).")] = False) -> None:
     """Make a CurveZMQ key pair: NAME.key (public, give it to the other side) and NAME.key_secret."""
     from rlbus.common.curve import make_keys
 
+    there = [p for p in (directory / f"{name}.key", directory / f"{name}.key_secret") if p.exists()]
+    if there and not force:
+        typer.echo(f"error: {there[0]} exists; a key pair is never replaced unasked (--force)", err=True)
+        raise typer.Exit(1)
     public, secret = make_keys(directory, name)
     typer.echo(f"public key: {public}\nsecret key: {secret}")
 

@@ -51,3 +51,21 @@ def test_a_key_file_that_is_missing_or_no_key_is_a_config_error_naming_its_setti
         with pytest.raises(ConfigError, match=error):
             BrokerClient("tcp://127.0.0.1:1", "tool", curve_server_key=str(keys / server),
                          curve_client_key=str(keys / client) if client else "")
+
+
+def test_rlbus_keys_never_replaces_a_pair_unasked(tmp_path):
+    """Every peer holds the broker's public key: a second `rlbus keys DIR broker` would lock them all out."""
+    import subprocess
+    import sys
+
+    def keys(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "rlbus.cli", "keys", str(tmp_path), "broker", *extra],
+                              capture_output=True, text=True, timeout=60)
+
+    assert keys().returncode == 0
+    first = (tmp_path / "broker.key").read_bytes(), (tmp_path / "broker.key_secret").read_bytes()
+    again = keys()
+    assert again.returncode == 1
+    assert again.stderr == f"error: {tmp_path / 'broker.key'} exists; a key pair is never replaced unasked (--force)\n"
+    assert ((tmp_path / "broker.key").read_bytes(), (tmp_path / "broker.key_secret").read_bytes()) == first
+    assert keys("--force").returncode == 0 and (tmp_path / "broker.key").read_bytes() != first[0]
