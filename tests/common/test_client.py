@@ -303,8 +303,12 @@ def test_a_client_the_broker_forgot_says_hello_once_and_resends_each_request_onc
 
 def test_a_broker_that_does_not_answer_is_named_with_the_likely_reason():
     """A host name that does not resolve is said so; an address nobody serves asks whether the broker runs."""
-    with pytest.raises(TimeoutError, match="its host 'no-such-host.invalid' does not resolve here"):
-        BrokerClient("tcp://no-such-host.invalid:5555", "tool").start(0.5)
+    nowhere = BrokerClient("tcp://no-such-host.invalid:5555", "tool")
+    try:
+        with pytest.raises(TimeoutError, match="its host 'no-such-host.invalid' does not resolve here"):
+            nowhere.start(0.5)
+    finally:
+        nowhere.close(bye=False, timeout=1)
     silent = BrokerClient("tcp://127.0.0.1:1", "tool", heartbeat_interval_s=0.05, liveness=2)
     try:
         with capture_logs() as logs:
@@ -328,7 +332,7 @@ def test_a_client_whose_socket_cannot_open_fails_its_start_with_the_reason_not_a
 def test_a_hello_refused_until_starts_time_runs_out_is_that_refusal_not_a_timeout():
     """A name a live peer holds is retried after `retry_after_s` (the holder may expire); when start's time runs
     out with the retry unanswered, the caller gets the broker's refusal, not a timeout that asks whether the
-    broker runs. (The real broker's refusal itself: tests/broker/test_peers.py.)"""
+    broker runs. (The real broker's refusal itself: tests/broker/test_broker.py.)"""
     broker = StandIn()
     client = BrokerClient(broker.address, "tool", "taken", heartbeat_interval_s=0.2)
     try:
@@ -351,3 +355,4 @@ def test_a_hello_refused_until_starts_time_runs_out_is_that_refusal_not_a_timeou
         assert str(outcome[0]) == "conflict: name 'taken' belongs to a live tool"
     finally:
         client.close(bye=False, timeout=1)
+        broker.sock.close(0)
