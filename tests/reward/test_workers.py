@@ -125,7 +125,8 @@ def test_a_worker_told_to_stop_while_no_broker_answers_stops_at_once(tmp_path):
     log = tmp_path / "worker.log"
     args = [sys.executable, "-m", "rlbus.cli", "reward", "--broker", f"tcp://127.0.0.1:{free_port()}",
             "--set", "broker.heartbeat_interval_s=0.1", "--set", "broker.liveness=2", "--set", "logging.format=json"]
-    proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+    with open(log, "w") as err:
+        proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=err)
     try:
         wait_for(lambda: "broker_unreachable" in log.read_text(), 60, "the worker waiting for its broker")
         proc.send_signal(signal.SIGINT)
