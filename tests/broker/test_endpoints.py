@@ -73,7 +73,6 @@ def test_a_peer_given_only_the_brokers_port_reaches_it(broker, clients):
     assert json.loads(run.stdout)["run_id"] == run_id
 
 
-
 @ipv6_loopback
 @pytest.mark.parametrize("host, dialled", [("::1", ["[::1]"]), ("::", ["[::1]", "127.0.0.1"])])
 def test_a_broker_on_an_ipv6_address_serves_peers_and_the_bus_there(broker_factory, host, dialled):
