@@ -30,15 +30,10 @@ class BindError(RuntimeError):
 
 def bind(sock: zmq.Socket, host: str, port: int) -> int:
     """Bind `sock` on TCP (port 0: a free port); returns the port."""
-    address = P.tcp(host, port or "*")
-    P.allow_ipv6(sock, address)
     try:
-        if port == 0:
-            return sock.bind_to_random_port(address.rpartition(":")[0])
-        sock.bind(address)
+        return P.bind_tcp(sock, host, port)
     except zmq.ZMQError as exc:
-        raise BindError(f"cannot serve on {address}: {exc.strerror}") from None
-    return port
+        raise BindError(f"cannot serve on {P.tcp(host, port or '*')}: {exc.strerror}") from None
 
 
 @dataclass

@@ -73,9 +73,14 @@ ENDPOINT = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[^\s/:\[\]]+):\d{1,5}")
 EVERY_INTERFACE = ("0.0.0.0", "*", "", "::")
 
 
+def bracketed(host: str) -> str:
+    """`host` as a URL writes it: an IPv6 address in brackets."""
+    return f"[{host}]" if ":" in host else host
+
+
 def tcp(host: str, port: int | str) -> str:
     """The ZeroMQ endpoint of `host` and `port`: an IPv6 address in brackets, as ZeroMQ reads it."""
-    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+    return f"tcp://{bracketed(host)}:{port}"
 
 
 def allow_ipv6(sock: Any, endpoint: str) -> None:
@@ -83,6 +88,17 @@ def allow_ipv6(sock: Any, endpoint: str) -> None:
     A name or an IPv4 address leaves it off (a name known by both families would be dialled on its IPv6
     address, where a broker on an IPv4 address is not)."""
     sock.ipv6 = endpoint.startswith("tcp://[")
+
+
+def bind_tcp(sock: Any, host: str, port: int) -> int:
+    """Bind `sock` on `host` and `port` (0: a free one), an IPv6 host too; returns the port. zmq.ZMQError if the
+    address cannot be bound."""
+    endpoint = tcp(host, port or "*")
+    allow_ipv6(sock, endpoint)
+    if port == 0:
+        return sock.bind_to_random_port(endpoint.rpartition(":")[0])
+    sock.bind(endpoint)
+    return port
 
 
 _brief = reprlib.Repr()

@@ -29,6 +29,7 @@ from typing import Any, Callable
 import structlog
 
 from rlbus.common import metrics
+from rlbus.common.protocol import bracketed
 
 log = structlog.get_logger()
 
@@ -225,6 +226,5 @@ def start(cfg, component: str, name: str | None = None) -> Started:
         started.sinks.append(sink)
         if isinstance(sink, Prometheus):
             started.prometheus = sink
-            host = f"[{m.prometheus_host}]" if ":" in m.prometheus_host else m.prometheus_host
-            log.info("metrics_serving", url=f"http://{host}:{sink.port}/metrics")
+            log.info("metrics_serving", url=f"http://{bracketed(m.prometheus_host)}:{sink.port}/metrics")
     return started

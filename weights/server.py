@@ -117,19 +117,16 @@ class WeightServer:
             self.auth = load_server_auth(self.ctx, curve[0], curve[1], [self.sock], (
                 "broker.curve_client_key", "sync.serve_authorized_dir (default: broker.curve_authorized_dir)"))
             self.public_key = load_certificate(curve[0])[0].decode()
-        endpoint = P.tcp("*" if host in ("0.0.0.0", "*", "") else host, port or "*")  # "::": both families
-        P.allow_ipv6(self.sock, endpoint)
+        bind_host = "*" if host in ("0.0.0.0", "*", "") else host  # "::" stays: both families
         try:
-            if port:
-                self.sock.bind(endpoint)
-            else:
-                port = self.sock.bind_to_random_port(endpoint.rpartition(":")[0])
+            port = P.bind_tcp(self.sock, bind_host, port)
         except zmq.ZMQError as exc:
             if self.auth is not None:
                 self.auth.stop()
             self.sock.close(0)
             self.ctx.term()
-            raise OSError(f"the weight server cannot listen on {endpoint} ({settings}): {exc}") from exc
+            raise OSError(f"the weight server cannot listen on {P.tcp(bind_host, port or '*')} ({settings}): "
+                          f"{exc}") from exc
         self.address = advertised(host, advertise, port)
         # (manifest, client, command, request, patience): patience is (when a delta's wait ends, the wait), or None
         self._waiting: list[tuple[Future, bytes, bytes, Request, tuple[float, float] | None]] = []
