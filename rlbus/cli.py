@@ -50,6 +50,10 @@ def _load(config: Optional[Path], sets: Optional[list[str]]):
     return load_config(config, sets or [])
 
 
+def _with_broker(sets: Optional[list[str]], broker: Optional[str]) -> list[str]:
+    return [*(sets or []), *([f"broker.address={broker}"] if broker else [])]
+
+
 def _on_run(tool, run_dir: Path, *args):
     """A tool that reads a run directory: what it returns, or its error said plainly (exit 2)."""
     try:
@@ -102,12 +106,7 @@ def explorer(config: ConfigArg = None, set: SetOpt = None,
              name: Annotated[Optional[str], typer.Option(help="Peer name (default: explorer-HOST-PID-TAG, unique to this start).")] = None,
              ) -> None:
     """Run an explorer: vLLM rollouts of leased tasks, trajectories to the broker."""
-    sets = list(set or [])
-    if broker:
-        sets.append(f"broker.address={broker}")
-    if name:
-        sets.append(f"explorer.name={name}")
-    cfg = _load(config, sets)
+    cfg = _load(config, _with_broker(set, broker) + ([f"explorer.name={name}"] if name else []))
     _logging(cfg, "explorer", peer=cfg.explorer.name or None)
     from rlbus.explorer.main import run
 
@@ -118,12 +117,11 @@ def explorer(config: ConfigArg = None, set: SetOpt = None,
 def trainer(config: ConfigArg = None, set: SetOpt = None,
             broker: BrokerOpt = None,
             ) -> None:
-    """Run the trainer: batches by policy version, policy-gradient steps, weights to the explorers. With
-    trainer.world_size N it starts N ranks on this host (FSDP2) and watches them; torchrun starts them on several."""
-    sets = list(set or [])
-    if broker:
-        sets.append(f"broker.address={broker}")
-    cfg = _load(config, sets)
+    """Run the trainer: batches by policy version, policy-gradient steps, weights to the explorers.
+
+    With trainer.world_size N it starts N ranks on this host (FSDP2) and watches them; torchrun starts them on several.
+    """
+    cfg = _load(config, _with_broker(set, broker))
     _logging(cfg, "trainer", peer=cfg.trainer.name)
     from rlbus.trainer.ranks import rank_env, supervise
 
@@ -141,10 +139,7 @@ def reward(config: ConfigArg = None, set: SetOpt = None,
            service: Annotated[Optional[list[str]], typer.Option(help="A service to offer (repeat; default "
                                                                      "reward.services).")] = None) -> None:
     """Run a reward worker: serve reward services (math, code, rm, plugins) to explorers through the broker."""
-    sets = list(set or [])
-    if broker:
-        sets.append(f"broker.address={broker}")
-    cfg = _load(config, sets)
+    cfg = _load(config, _with_broker(set, broker))
     _logging(cfg, "reward", peer=name)
     from rlbus.reward.worker import run
 
@@ -165,13 +160,10 @@ def mirror(config: ConfigArg = None, set: SetOpt = None,
                help="Take deltas from the trainer when it has them ready, for a mirror on a slow link to it "
                     "(default: whole versions, and no delta builds on the trainer's host).")] = False,
            ) -> None:
-    """Run a weight mirror: fetch every version the bus announces from the trainer's weight server, once, and
-    serve it to explorers whose explorer.fetch_from names this mirror (the trainer then sends each version once,
-    however many explorers fetch it)."""
-    sets = list(set or [])
-    if broker:
-        sets.append(f"broker.address={broker}")
-    cfg = _load(config, sets)
+    """Run a weight mirror: every version the trainer announces, fetched once and served to explorers near it.
+
+    Explorers whose explorer.fetch_from names this mirror fetch from it: the trainer sends each version once."""
+    cfg = _load(config, _with_broker(set, broker))
     if keep < 2 or not 0 <= port <= 65535:
         typer.echo("error: --keep is 2 or more and --port 0 to 65535", err=True)
         raise typer.Exit(2)
@@ -197,10 +189,7 @@ def status(config: ConfigArg = None, set: SetOpt = None,
            broker: BrokerOpt = None,
            timeout: Annotated[float, typer.Option(help="Seconds to wait for the broker.")] = 5.0) -> None:
     """Print the broker's STATUS (peers, versions, buffer depth, leases) as JSON."""
-    sets = list(set or [])
-    if broker:
-        sets.append(f"broker.address={broker}")
-    cfg = _load(config, sets)
+    cfg = _load(config, _with_broker(set, broker))
     from rlbus.common.client import BrokerClient
     from rlbus.common.logging import setup_logging
 
@@ -261,8 +250,10 @@ def timeline(run_dir: Annotated[Path, typer.Argument(help="A run directory.")],
 def report(run_dir: Annotated[Path, typer.Argument(help="A run directory.")],
            output: Annotated[Path, typer.Option("-o", "--output", help="HTML page to write.")] = Path("report.html")
            ) -> None:
-    """Write one self-contained HTML page of a run: reward and accuracy over steps and time, staleness,
-    throughput and idle shares per component, the timeline, the config."""
+    """Write one self-contained HTML page of a run.
+
+    Reward and accuracy over steps and time, staleness, throughput and idle shares per component, the timeline,
+    the config."""
     from rlbus.report import write
 
     _on_run(write, run_dir, output)
@@ -273,8 +264,10 @@ def report(run_dir: Annotated[Path, typer.Argument(help="A run directory.")],
 def trace(run_dir: Annotated[Path, typer.Argument(help="A run directory.")],
           output: Annotated[Path, typer.Option("-o", "--output", help="Trace JSON to write.")] = Path("trace.json")
           ) -> None:
-    """Write the run as a Chrome trace (open it in ui.perfetto.dev): rollouts, PUTs and weight loads per explorer,
-    trainer steps (waiting, compute, publishing), broker deliveries and commits, buffer depth."""
+    """Write the run as a Chrome trace (open it in ui.perfetto.dev).
+
+    Rollouts, PUTs and weight loads per explorer, trainer steps (waiting, compute, publishing), broker deliveries
+    and commits, buffer depth."""
     from rlbus.trace import write
 
     typer.echo(f"{output}: {_on_run(write, run_dir, output)} trace events")
@@ -287,8 +280,9 @@ def replay(run_dir: Annotated[Path, typer.Argument(help="A finished (or stopped)
            out: Annotated[Optional[Path], typer.Option(help="Where the replay writes (default RUN_DIR/replay).")] = None,
            steps: Annotated[Optional[int], typer.Option(min=1, help="Replay only the first N steps.")] = None,
            ) -> None:
-    """Train again on exactly the batches the broker delivered, in order, and compare the weights with the
-    run's, byte for byte (exit 0 if every version and checkpoint the run kept is equal, 1 if not)."""
+    """Train again on exactly the batches the broker delivered and compare the weights with the run's.
+
+    Byte for byte, in order: exit 0 if every version and checkpoint the run kept is equal, 1 if not."""
     from rlbus.common.logging import setup_logging
     from rlbus.replay import ReplayError, replay as run_replay
 
