@@ -87,7 +87,7 @@ class Buffer:
                 continue
             if peer.role != "explorer":
                 self.out.reply(identity, msg, P.ERROR, {
-                    "code": "bad_role", "message": f"PUT is for explorers; this peer is a {peer.role}"})
+                    "code": "bad_role", "message": f"PUT is for explorers; this peer's role is {peer.role}"})
                 continue
             metas = msg.header["trajectories"]
             too_big = next((m["id"] for m in metas if m["payload_bytes"] > limit), None)

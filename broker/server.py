@@ -217,7 +217,7 @@ class Broker:
         if peer.role not in roles:
             return self.reply(identity, msg, P.ERROR, {
                 "code": "bad_role", "message": f"{msg.command} is for {_WHO[roles[0]] if len(roles) == 1 else roles}; "
-                                               f"this peer is a {peer.role}"})
+                                               f"this peer's role is {peer.role}"})
         handler(peer, msg)
 
     # ---- peers ------------------------------------------------------------

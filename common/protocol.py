@@ -146,13 +146,15 @@ def brief(value: Any) -> str:
 
 
 _NESTING = frozenset((dict, list))
+_SCALARS = frozenset((str, int, float, bool, bytes, type(None)))  # what msgpack decodes but maps, lists, extensions
 
 
 def too_deep(obj: Any, limit: int = MAX_DEPTH) -> bool:
     """Whether maps and lists nest deeper than `limit` (level by level: no recursion a peer can exhaust).
 
     A container whose values are all scalars, like each trajectory of a PUT, is passed over by one
-    C-level scan of its value types."""
+    C-level scan of its value types. Raises ProtocolError `malformed` for a msgpack extension value (a
+    timestamp, say): the protocol has none, and one kept would be re-emitted as something else, or not at all."""
     level, depth = [obj], 1
     while level:
         if depth > limit:
@@ -160,8 +162,14 @@ def too_deep(obj: Any, limit: int = MAX_DEPTH) -> bool:
         deeper = []
         for item in level:
             children = item.values() if type(item) is dict else item
-            if not _NESTING.isdisjoint(map(type, children)):
-                deeper.extend(c for c in children if type(c) in _NESTING)
+            types = set(map(type, children))
+            if types <= _SCALARS:
+                continue
+            if not types <= _SCALARS | _NESTING:
+                odd = next(t for t in types if t not in _SCALARS | _NESTING)
+                raise ProtocolError("malformed", f"header holds a msgpack extension value ({odd.__name__}); "
+                                                 "this protocol has no extension types")
+            deeper.extend(c for c in children if type(c) in _NESTING)
         level, depth = deeper, depth + 1
     return False
 

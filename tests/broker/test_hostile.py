@@ -7,6 +7,7 @@ must still be alive, also after a restart on the same data.
 
 from __future__ import annotations
 
+import msgpack
 import pytest
 
 from rlbus.common import protocol as P
@@ -45,6 +46,9 @@ UNREGISTERED = {
     "nil_optional_field": (P.encode(P.HELLO, {"req": 3, "role": "explorer", "name": "n", "host": None}),
                            {"bad_field"}),
     "huge_int": (P.encode(P.LEASE, {"req": 3, "max_tasks": 1 << 63, "policy_version": 0}), {"bad_field"}),
+    # An extension value kept in capabilities failed every STATUS after it (the broker cannot re-emit it).
+    "timestamp_in_capabilities": ([P.PROTOCOL, b"HELLO", msgpack.packb({"req": 3, "role": "explorer", "name": "t",
+                                   "capabilities": {"since": msgpack.Timestamp(5, 0)}})], {"malformed"}),
 }
 
 
@@ -96,6 +100,24 @@ def test_deep_info_cannot_poison_the_buffer(broker_factory, raw_dealer, clients,
     b.start()
     served(b, clients)
     assert clients(b, "tool", "st").request(P.STATUS, timeout=5).header["weights"]["version"] == 0
+
+
+def test_an_extension_value_in_a_put_is_refused_before_it_reaches_the_writer(broker_factory, raw_dealer, clients):
+    """A timestamp in a PUT's `info` once reached the writer, which could not encode it: the whole group commit
+    (every PUT in it, of any explorer) failed as a `storage_error`, and its sender was told to resend for ever.
+    Another extension type was stored as a list, so the trainer got back something else than was sent."""
+    b = broker_factory()
+    sock = raw_dealer(b.address)
+    assert hello(sock).command == P.WELCOME
+    (meta, payload), = group("ext", size=1)
+    for req, value in ((4, msgpack.Timestamp(5, 0)), (5, msgpack.ExtType(5, b"ab"))):
+        header = {"req": req, "trajectories": [{**meta, "info": {"at": value}, "payload_bytes": len(payload)}]}
+        sock.send_multipart([P.PROTOCOL, P.PUT.encode(), msgpack.packb(header), payload])
+        reply = recv(sock)
+        assert (reply.command, reply.header["code"], reply.header["req"]) == (P.ERROR, "malformed", req)
+        assert "extension" in reply.header["message"]
+    served(b, clients)
+    assert clients(b, "tool", "st").request(P.STATUS, timeout=5).header["buffer"]["stored"] == 2
 
 
 def test_publish_broadcast_needs_its_fields_before_anything_is_stored(broker_factory, clients):
