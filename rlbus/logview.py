@@ -194,12 +194,24 @@ def show(run_dir: str | Path, flt: Filter, as_json: bool = False, follow: bool =
     return shown
 
 
+# The numbers the run tools (timeline, report, trace) read from the events they draw.
+DRAWN = {"train_step": ("step", "step_s", "wait_s", "publish_s"), "explorer_batch": ("rollout_s",),
+         "explorer_groups": ("rollout_s",), "put_acked": ("seconds",), "weights_loaded": ("seconds", "policy_version"),
+         "weights_wait_over": ("need_version",), "eval": ("seconds", "policy_version", "accuracy"),
+         "explorer_activity": ("idle_share",), "weights_published": ("policy_version",)}
+
+
+def _drawable(e: dict) -> bool:
+    return all(type(e.get(k)) in (int, float) and e[k] == e[k] for k in DRAWN.get(e["event"], ()))
+
+
 def read_events(run_dir: str | Path, components: Iterable[str] = ()) -> list[dict]:
     """Every event of a run, merged by time (for tools such as the timeline): lines that are not events of
-    rlbus's (no `ts` or `event`, or not JSON at all) left out."""
+    rlbus's (no `ts` or `event`, or not JSON at all) left out, and so are events the tools draw without the
+    numbers they draw them by (a line of another rlbus version, or one edited by hand)."""
     import io
 
     buf = io.StringIO()
     show(run_dir, Filter(tuple(components)), as_json=True, out=buf)
     events = (json.loads(line) for line in buf.getvalue().splitlines() if line.startswith("{"))
-    return [e for e in events if "ts" in e and e.get("event", "unparsed_line") != "unparsed_line"]
+    return [e for e in events if "ts" in e and e.get("event", "unparsed_line") != "unparsed_line" and _drawable(e)]

@@ -28,10 +28,11 @@ def run_dir(tmp_path):
     write(logs / "broker.jsonl", {"ts": 1.0, "level": "info", "event": "broker_ready", "component": "broker"},
           {"ts": 4.0, "level": "warning", "event": "bad_message", "component": "broker", "code": "malformed"})
     write(logs / "trainer.jsonl", {"ts": 2.0, "level": "info", "event": "train_step", "component": "trainer",
-                                   "peer": "trainer", "step": 0},
+                                   "peer": "trainer", "step": 0, "step_s": 0.5, "wait_s": 0.1, "publish_s": 0.1},
           {"ts": 5.0, "level": "error", "event": "boom", "component": "trainer", "peer": "trainer"})
     write(logs / "explorer-0.jsonl", {"ts": 3.0, "level": "debug", "event": "explorer_batch",
-                                      "component": "explorer", "peer": "explorer-0", "batch_index": 0})
+                                      "component": "explorer", "peer": "explorer-0", "batch_index": 0,
+                                      "rollout_s": 0.5})
     (logs / "explorer-0.jsonl").open("a").write('{"ts": 6.0, "event": "half a li')  # still being written
     return tmp_path
 
@@ -133,6 +134,25 @@ def test_lines_that_are_not_rlbus_events_are_shown_unparsed_and_never_break_a_to
         show(run_dir, flt, out=buf)
         assert buf.getvalue().count("unparsed_line") == (len(bad) if not flt.since else 0)
     assert [e["ts"] for e in read_events(run_dir)] == [1.0, 2.0, 3.0, 4.0, 5.0]
+
+
+def test_an_event_without_the_numbers_a_tool_draws_it_by_is_left_out_of_the_run_tools(run_dir, tmp_path):
+    """A `train_step` without its times, or with one that is no number (a line of another rlbus version, or one
+    edited by hand), failed `rlbus timeline`, `report` and `trace` with a KeyError; `rlbus logs` shows it."""
+    from rlbus import report, timeline, trace
+
+    bad = [{"ts": 2.5, "event": "train_step", "component": "trainer", "step": 1},
+           {"ts": 2.6, "event": "train_step", "component": "trainer", "step": 2, "step_s": "1", "wait_s": 0.1,
+            "publish_s": 0.1},
+           {"ts": 2.7, "event": "explorer_batch", "component": "explorer", "rollout_s": float("nan")},
+           {"ts": 2.8, "event": "eval", "component": "explorer", "policy_version": 1, "seconds": 1.0}]
+    with open(run_dir / "logs" / "trainer.jsonl", "a") as f:
+        f.write("".join(json.dumps(e) + "\n" for e in bad))
+    assert [e["ts"] for e in read_events(run_dir)] == [1.0, 2.0, 3.0, 4.0, 5.0]
+    assert len(timeline.render(run_dir, tmp_path / "t.png")) == 4  # the good step's three spans, one rollout
+    assert trace.write(run_dir, tmp_path / "t.json") > 0
+    report.write(run_dir, tmp_path / "r.html")
+    assert "<svg" in (tmp_path / "r.html").read_text()
 
 
 def test_a_peer_without_a_name_logs_events_like_any_other(run_dir):
