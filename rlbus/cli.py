@@ -58,7 +58,7 @@ def _on_run(tool, run_dir: Path, *args):
     """A tool that reads a run directory: what it returns, or its error said plainly (exit 2)."""
     try:
         return tool(run_dir, *args)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, OSError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
 
@@ -229,7 +229,7 @@ def logs(run_dir: Annotated[Path, typer.Argument(help="A run directory (its logs
     try:
         flt = Filter(tuple(component or ()), peer, level, grep, parse_since(since) if since else 0.0)
         show(run_dir, flt, as_json=json_lines, follow=follow)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, OSError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
     except KeyboardInterrupt:
@@ -293,7 +293,7 @@ def replay(run_dir: Annotated[Path, typer.Argument(help="A finished (or stopped)
 
     try:
         result = run_replay(run_dir, buffer, out, steps, progress if sys.stderr.isatty() else None)
-    except (ReplayError, FileNotFoundError) as exc:
+    except (ReplayError, OSError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
     for c in result.comparisons:

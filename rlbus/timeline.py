@@ -84,6 +84,7 @@ def render(run_dir: str | Path, output: str | Path) -> list[Span]:
     ax_depth.set_ylabel("buffer")
     ax_depth.set_xlabel("seconds since the run's first event")
     fig.tight_layout()
-    fig.savefig(output, dpi=110)
+    # The format named, never guessed: given no suffix, matplotlib would write OUTPUT.png instead of OUTPUT.
+    fig.savefig(output, dpi=110, format=Path(output).suffix[1:] or "png")
     plt.close(fig)
     return spans

@@ -94,6 +94,14 @@ def test_missing_run_dir_is_a_clear_error(tmp_path):
     assert done.returncode == 2 and "give a run directory" in done.stderr
 
 
+@pytest.mark.parametrize("tool", ["timeline", "report", "trace"])
+def test_an_output_the_tool_cannot_write_is_one_error_line(run_dir, tool):
+    """`-o` naming a directory was an IsADirectoryError traceback."""
+    done = subprocess.run([sys.executable, "-m", "rlbus.cli", tool, str(run_dir), "-o", str(run_dir)], cwd=REPO,
+                          capture_output=True, text=True)
+    assert (done.returncode, done.stderr.splitlines()) == (2, [f"error: [Errno 21] Is a directory: '{run_dir}'"])
+
+
 def test_one_reader_for_every_tool(run_dir):
     from rlbus.logview import events, last_event
 
