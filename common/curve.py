@@ -9,6 +9,7 @@ or a private network).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import zmq
@@ -19,11 +20,18 @@ from rlbus.common.config import ConfigError
 
 
 def make_keys(directory: str | Path, name: str) -> tuple[Path, Path]:
-    """Write a new key pair; returns (public key file, secret key file)."""
+    """Write a new key pair; returns (public key file, secret key file). ValueError for a name that is no plain
+    file name, OSError for a directory that cannot be written to."""
+    if name in ("", ".", "..") or "/" in name or "\0" in name:
+        raise ValueError(f"key name {name!r} is not a file name (e.g. broker or explorer-1)")
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    public, secret = zmq.auth.create_certificates(d, name)
-    Path(secret).chmod(0o600)
+    umask = os.umask(0o077)  # the secret key is readable by its owner only from the moment it exists
+    try:
+        public, secret = zmq.auth.create_certificates(d, name)
+    finally:
+        os.umask(umask)
+    Path(public).chmod(0o644)
     return Path(public), Path(secret)
 
 

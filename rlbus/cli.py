@@ -318,7 +318,11 @@ def keys(directory: Annotated[Path, typer.Argument(help="Where to write the key 
     if there and not force:
         typer.echo(f"error: {there[0]} exists; a key pair is never replaced unasked (--force)", err=True)
         raise typer.Exit(1)
-    public, secret = make_keys(directory, name)
+    try:
+        public, secret = make_keys(directory, name)
+    except (ValueError, OSError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
     typer.echo(f"public key: {public}\nsecret key: {secret}")
 
 

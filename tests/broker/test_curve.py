@@ -69,3 +69,24 @@ def test_rlbus_keys_never_replaces_a_pair_unasked(tmp_path):
     assert again.stderr == f"error: {tmp_path / 'broker.key'} exists; a key pair is never replaced unasked (--force)\n"
     assert ((tmp_path / "broker.key").read_bytes(), (tmp_path / "broker.key_secret").read_bytes()) == first
     assert keys("--force").returncode == 0 and (tmp_path / "broker.key").read_bytes() != first[0]
+
+
+def test_rlbus_keys_writes_the_secret_key_for_its_owner_only_and_refuses_a_name_or_place_it_cannot_use(tmp_path):
+    """A name with a slash, or a directory under a file, was a traceback; an empty name wrote `.key`."""
+    import stat
+    import subprocess
+    import sys
+
+    def keys(directory, name: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "rlbus.cli", "keys", str(directory), name],
+                              capture_output=True, text=True, timeout=60)
+
+    assert keys(tmp_path, "explorer-1").returncode == 0
+    assert stat.S_IMODE((tmp_path / "explorer-1.key_secret").stat().st_mode) == 0o600
+    assert stat.S_IMODE((tmp_path / "explorer-1.key").stat().st_mode) == 0o644
+    (tmp_path / "file").write_text("")
+    for directory, name, said in ((tmp_path, "a/b", "is not a file name"), (tmp_path, "", "is not a file name"),
+                                  (tmp_path / "file" / "keys", "k", "Not a directory")):
+        done = keys(directory, name)
+        assert done.returncode == 2 and len(done.stderr.splitlines()) == 1 and said in done.stderr, done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["explorer-1.key", "explorer-1.key_secret", "file"]
