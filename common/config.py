@@ -13,6 +13,7 @@ value fails with the field's dotted name, the value and what is allowed.
 from __future__ import annotations
 
 import errno
+import io
 import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -147,6 +148,26 @@ MOVED = {"explorer.temperature": "rollout.temperature", "explorer.top_p": "rollo
          "data.repeat": "rollout.repeat", "trainer.seed": "rollout.seed"}
 
 
+class _Loader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (which would silently keep the last)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: set = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *base` then a key of base's: an override, as YAML means it
+            key = self.construct_object(key_node, deep=True)
+            try:
+                again = key in seen
+                seen.add(key)
+            except TypeError:  # an unhashable key: the safe loader names it
+                continue
+            if again:
+                raise yaml.constructor.ConstructorError("while reading a mapping", node.start_mark,
+                                                        f"found {key!r} a second time", key_node.start_mark)
+        return super().construct_mapping(node, deep)
+
+
 def _parse_scalar(text: str) -> Any:
     """A command-line or environment value, read as YAML (so 1e-6, true, [1, 2] work).
 
@@ -209,10 +230,14 @@ def load_config(path: str | Path | None = None, sets: list[str] | None = None,
     if path:
         p = Path(path)
         if not p.is_file():
-            raise ConfigError(f"config file {p} does not exist")
+            raise ConfigError(f"config file {p} {'is a directory' if p.is_dir() else 'does not exist'}")
         try:
-            loaded = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as exc:
+            text = io.StringIO(p.read_text(encoding="utf-8"))
+            text.name = str(p)  # for the line an error names
+            loaded = yaml.load(text, _Loader) or {}
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"config file {p} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+        except (yaml.YAMLError, OSError) as exc:
             raise ConfigError(f"config file {p} is not valid YAML: {exc}") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {p} must hold a mapping of sections, got {type(loaded).__name__}")

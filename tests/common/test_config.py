@@ -121,6 +121,30 @@ def test_missing_and_malformed_files(tmp_path):
         load_config(bad, environ={})
 
 
+@pytest.mark.parametrize("text,said", [
+    # A section or a key given twice kept the last silently: the first one's settings were lost.
+    ("trainer:\n  lr: 1.0e-5\ntrainer:\n  lr: 2.0e-5\n", "found 'trainer' a second time\n  in \"{f}\", line 3"),
+    ("trainer:\n  lr: 1.0e-5\n  lr: 2.0e-5\n", "found 'lr' a second time\n  in \"{f}\", line 3"),
+    (b"trainer:\n  lr: \xff\n", "is not UTF-8 text"),  # was a UnicodeDecodeError traceback
+])
+def test_a_file_with_a_key_twice_or_not_utf8_is_refused_naming_the_line(tmp_path, text, said):
+    f = tmp_path / "c.yaml"
+    f.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(ConfigError, match="c.yaml") as exc:
+        load_config(f, environ={})
+    assert said.format(f=f) in str(exc.value)
+    with pytest.raises(ConfigError, match="is a directory"):
+        load_config(tmp_path, environ={})
+
+
+def test_a_merge_key_overridden_is_no_key_given_twice(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("explorer:\n  tasks_per_lease: 4\ntrainer:\n  <<: {lr: 1.0e-5, warmup_steps: 7}\n"
+                 "  lr: 2.0e-5\n")
+    cfg = load_config(f, environ={})
+    assert (cfg.trainer.lr, cfg.trainer.warmup_steps, cfg.explorer.tasks_per_lease) == (2.0e-5, 7, 4)
+
+
 def test_every_field_is_documented():
     def walk(model):
         for name, field in model.model_fields.items():
