@@ -18,7 +18,7 @@ import random
 from pathlib import Path
 from typing import Any, Protocol
 
-from rlbus.common.config import DataConfig
+from rlbus.common.config import ConfigError, DataConfig
 
 ARITH_PROMPT = "What is {a} + {b}? Answer with just the number."
 GUESS_PROMPT = ("I am thinking of an integer between {low} and {high}. Guess it; after each guess I will say "
@@ -100,10 +100,13 @@ class FileTaskset:
         self.rows = _read_rows(self.path)
         if not self.rows:
             raise ValueError(f"taskset file {path} has no rows")
-        for field in (prompt_field, answer_field):
-            if field not in self.rows[0]:
-                raise ValueError(f"taskset file {path} has no field {field!r}; its fields are {sorted(self.rows[0])} "
-                                 f"(set data.prompt_field / data.answer_field)")
+        for i, row in enumerate(self.rows):  # every row, now: a task that cannot be made would stall the run later
+            if not isinstance(row, dict):
+                raise ValueError(f"taskset file {path}: row {i + 1} is a JSON {type(row).__name__}, not an object")
+            for field in (prompt_field, answer_field):
+                if field not in row:
+                    raise ValueError(f"taskset file {path}: row {i + 1} has no field {field!r}; its fields are "
+                                     f"{sorted(row)} (set data.prompt_field / data.answer_field)")
         self.prompt_field, self.answer_field, self.epochs, self.kind = prompt_field, answer_field, epochs, kind
 
     def __len__(self) -> int:
@@ -143,8 +146,9 @@ def _read_rows(path: Path) -> list[dict[str, Any]]:
     raise ValueError(f"taskset file {path}: use .jsonl, .parquet, or a saved HF datasets directory")
 
 
-def make_taskset(data: DataConfig, eval_set: bool = False) -> Taskset:
-    """The training taskset the config names, or its held-out evaluation set."""
+def make_taskset(data: DataConfig, eval_set: bool = False) -> Taskset | None:
+    """The training taskset the config names, or its held-out evaluation set (None for a file taskset without
+    `data.eval_path`: no held-out set, rather than every training row)."""
     seed, size = (data.eval_seed, data.eval_size) if eval_set else (data.seed, data.max_tasks)
     if data.taskset == "arith":
         return ArithTaskset(seed, data.max_operand, size)
@@ -152,5 +156,11 @@ def make_taskset(data: DataConfig, eval_set: bool = False) -> Taskset:
         return GuessTaskset(seed, data.max_operand, data.max_turns, size)
     if data.taskset == "countdown":
         return CountdownTaskset(seed, data.max_operand, size)
-    return FileTaskset(data.eval_path if eval_set and data.eval_path else data.path, data.prompt_field,
-                       data.answer_field, 1 if eval_set else data.epochs)
+    if eval_set and not data.eval_path:
+        return None
+    setting = "data.eval_path" if eval_set else "data.path"
+    try:
+        return FileTaskset(getattr(data, setting[5:]), data.prompt_field, data.answer_field,
+                           1 if eval_set else data.epochs)
+    except (OSError, ValueError) as exc:  # a file missing or unreadable, a row without its fields
+        raise ConfigError(f"{setting}: {exc}") from None

@@ -52,6 +52,7 @@ from rlbus.common.client import BrokerClient, BrokerError, BrokerUnreachable, de
 from rlbus.common.config import RunConfig
 from rlbus.common.logging import bind
 from rlbus.common.processes import freeze_heap, on_stop_signals
+from rlbus.common.tasksets import Taskset, make_taskset
 from rlbus.explorer.activity import Activity
 from rlbus.explorer.envs import make_env
 from rlbus.explorer.inflight import Loader, Stopping
@@ -65,7 +66,7 @@ log = structlog.get_logger()
 
 
 class Explorer:
-    def __init__(self, cfg: RunConfig, engine, name: str | None = None):
+    def __init__(self, cfg: RunConfig, engine, name: str | None = None, held_out: Taskset | None = None):
         self.cfg = cfg = with_rollout_dtype(cfg)  # the dtype its HELLO reports, as this host resolves `auto`
         self.engine = engine
         self.name = name or cfg.explorer.name or default_name("explorer")
@@ -75,6 +76,7 @@ class Explorer:
         self.batches = 0
         self.client: BrokerClient | None = None
         self.evaluated: set[int] = set()
+        self.held_out = held_out  # the evaluation's tasks, read once
         self.receiver = Receiver(self.name, cfg.fetch_dir(self.name), cfg.explorer.receive,
                                  cfg.explorer.fetch_timeout_s, cfg.broker.curve_client_key, cfg.explorer.overlap_fetch,
                                  cfg.explorer.delta_wait_s, cfg.explorer.fetch_from, cfg.explorer.fetch_key)
@@ -157,10 +159,8 @@ class Explorer:
         every, version = self.cfg.explorer.eval_every, self.engine.version
         if not every or version in self.evaluated or not (force or version % every == 0):
             return None
-        from rlbus.common.tasksets import make_taskset
-
-        held_out = make_taskset(self.cfg.data, eval_set=True)
-        tasks = [held_out.task(i) for i in range(len(held_out))]
+        held_out = self.held_out = self.held_out or make_taskset(self.cfg.data, eval_set=True)
+        tasks = [held_out.task(i) for i in range(len(held_out))] if held_out is not None else []
         if not tasks:
             return None
         started = time.monotonic()
@@ -381,13 +381,14 @@ def run(cfg: RunConfig) -> None:
     from rlbus.weights.models import resolve_model
 
     cfg = with_rollout_dtype(cfg)  # the engine computes in it
+    held_out = make_taskset(cfg.data, eval_set=True) if cfg.explorer.eval_every else None  # a bad file: said now
     engine = Engine(resolve_model(cfg.model.path, cfg.model.cache_dir), seed=cfg.rollout.seed,
                     memory_fraction=cfg.explorer.memory_fraction, kv_cache_mb=cfg.explorer.kv_cache_mb,
                     dtype=cfg.rollout.dtype, core=cfg.explorer.engine_core, swap_kv=cfg.explorer.swap_kv,
                     tensor_parallel=cfg.explorer.tensor_parallel)
     with engine:
         engine.warm_up()
-        explorer = Explorer(cfg, engine)
+        explorer = Explorer(cfg, engine, held_out=held_out)
         freeze_heap()
         on_stop_signals(explorer.stop)
         with telemetry.start(cfg, "explorer", explorer.name):

@@ -322,4 +322,9 @@ def _wait_group_gone(pgid: int, timeout: float) -> None:
 
 
 def run(cfg: RunConfig) -> int:
+    from rlbus.common.tasksets import make_taskset
+
+    make_taskset(cfg.data)  # a taskset file that cannot be used: ConfigError naming it, before anything starts
+    if cfg.explorer.eval_every:
+        make_taskset(cfg.data, eval_set=True)
     return Launcher(cfg).run()

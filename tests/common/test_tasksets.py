@@ -67,3 +67,60 @@ def test_file_taskset_errors_say_what_to_fix(tmp_path):
         make_taskset(data)
     with pytest.raises(Exception, match="needs data.path"):
         load_config(None, ["data.taskset=file"], environ={})
+
+
+def test_a_file_taskset_has_a_held_out_set_only_when_given_one(tmp_path):
+    """`data.eval_path` empty means no held-out set, as its help says: it was every training row, each one
+    generated greedily at every evaluation."""
+    train, held = tmp_path / "train.jsonl", tmp_path / "held.jsonl"
+    train.write_text("".join(json.dumps({"prompt": f"p{i}", "answer": str(i)}) + "\n" for i in range(50)))
+    held.write_text('{"prompt": "h", "answer": "1"}\n')
+    data = load_config(None, ["data.taskset=file", f"data.path={train}"], environ={}).data
+    assert len(make_taskset(data)) == 50 and make_taskset(data, eval_set=True) is None
+    data = load_config(None, ["data.taskset=file", f"data.path={train}", f"data.eval_path={held}"], environ={}).data
+    assert [t["prompt"] for t in (make_taskset(data, eval_set=True).task(0),)] == ["h"]
+
+
+@pytest.mark.parametrize("rows,said", [
+    # Only the first row was checked: a later one without its answer failed the broker's LEASE of that task
+    # (`internal`, every time it came up), and a row that is no object likewise.
+    (['{"prompt": "1+1", "answer": "2"}', '{"prompt": "2+2"}'], "row 2 has no field 'answer'"),
+    (['{"prompt": "1+1", "answer": "2"}', '[1, 2]'], "row 2 is a JSON list, not an object"),
+    (['{"prompt": "1+1", "answer": "2"}', 'not json'], ":2: not JSON"),
+    ([], "has no rows"),
+])
+def test_every_row_of_a_taskset_file_is_checked_and_an_error_names_the_setting(tmp_path, rows, said):
+    from rlbus.common.config import ConfigError
+
+    good, bad = tmp_path / "good.jsonl", tmp_path / "bad.jsonl"
+    good.write_text('{"prompt": "1+1", "answer": "2"}\n')
+    bad.write_text("".join(r + "\n" for r in rows))
+    for sets, setting, eval_set in ((["data.path=BAD"], "data.path", False),
+                                    (["data.path=GOOD", "data.eval_path=BAD"], "data.eval_path", True)):
+        sets = [s.replace("BAD", str(bad)).replace("GOOD", str(good)) for s in sets]
+        data = load_config(None, ["data.taskset=file", *sets], environ={}).data
+        with pytest.raises(ConfigError) as exc:
+            make_taskset(data, eval_set=eval_set)
+        assert str(exc.value).startswith(f"{setting}: ") and said in str(exc.value)
+    data = load_config(None, ["data.taskset=file", f"data.path={tmp_path / 'nope.jsonl'}"], environ={}).data
+    with pytest.raises(ConfigError, match="^data.path: taskset file .*nope.jsonl does not exist"):
+        make_taskset(data)
+
+
+def test_a_broker_explorer_or_run_given_a_taskset_file_it_cannot_use_says_so_in_one_line(tmp_path):
+    """The broker and the explorer said it in a traceback, the explorer (its held-out file) only at its first
+    evaluation, mid-run; `rlbus up` said that the broker exited with 2."""
+    import subprocess
+    import sys
+
+    (tmp_path / "t.jsonl").write_text('{"prompt": "1+1"}\n')
+    common = ["--set", "data.taskset=file", "--set", f"run.dir={tmp_path}", "--set", "broker.port=0",
+              "--set", "broker.pub_port=0"]
+    for command, sets, setting in (("broker", [f"data.path={tmp_path / 't.jsonl'}"], "data.path"),
+                                   ("up", [f"data.path={tmp_path / 't.jsonl'}"], "data.path"),
+                                   ("explorer", [f"data.path={tmp_path / 't.jsonl'}", "explorer.eval_every=5",
+                                                 f"data.eval_path={tmp_path / 'nope.jsonl'}"], "data.eval_path")):
+        done = subprocess.run([sys.executable, "-m", "rlbus.cli", command, *common,
+                               *[a for s in sets for a in ("--set", s)]], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and done.stderr.startswith(f"error: {setting}: taskset file "), done.stderr
+        assert len(done.stderr.splitlines()) == 1, done.stderr
