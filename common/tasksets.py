@@ -107,6 +107,8 @@ class FileTaskset:
                 if field not in row:
                     raise ValueError(f"taskset file {path}: row {i + 1} has no field {field!r}; its fields are "
                                      f"{sorted(row)} (set data.prompt_field / data.answer_field)")
+                if row[field] is None:  # it would be trained on as the text "None"
+                    raise ValueError(f"taskset file {path}: row {i + 1} has no value for {field!r} (null)")
         self.prompt_field, self.answer_field, self.epochs, self.kind = prompt_field, answer_field, epochs, kind
 
     def __len__(self) -> int:

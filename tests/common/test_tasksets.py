@@ -86,6 +86,7 @@ def test_a_file_taskset_has_a_held_out_set_only_when_given_one(tmp_path):
     # (`internal`, every time it came up), and a row that is no object likewise.
     (['{"prompt": "1+1", "answer": "2"}', '{"prompt": "2+2"}'], "row 2 has no field 'answer'"),
     (['{"prompt": "1+1", "answer": "2"}', '[1, 2]'], "row 2 is a JSON list, not an object"),
+    (['{"prompt": "1+1", "answer": "2"}', '{"prompt": null, "answer": "2"}'], "row 2 has no value for 'prompt'"),
     (['{"prompt": "1+1", "answer": "2"}', 'not json'], ":2: not JSON"),
     ([], "has no rows"),
 ])
