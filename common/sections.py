@@ -39,7 +39,8 @@ class DataConfig(Section):
     max_turns: int = Field(5, ge=1)
     """guess: turns the model gets."""
     path: str = ""
-    """file: a .jsonl or .parquet file, or a saved HF `datasets` directory."""
+    """file: a .jsonl or .parquet file, or a saved HF `datasets` directory; a row's `kind` names the reward
+    that `reward.fn: auto` scores it with (math, code, exact, ...)."""
     eval_path: str = ""
     """file: the held-out set (same format); empty means no held-out set."""
     prompt_field: str = "prompt"

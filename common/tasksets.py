@@ -109,6 +109,9 @@ class FileTaskset:
                                      f"{sorted(row)} (set data.prompt_field / data.answer_field)")
                 if row[field] is None:  # it would be trained on as the text "None"
                     raise ValueError(f"taskset file {path}: row {i + 1} has no value for {field!r} (null)")
+            if not isinstance(row.get("kind", ""), str):
+                raise ValueError(f"taskset file {path}: row {i + 1}: its kind is a {type(row['kind']).__name__}, "
+                                 "not the name of a reward")
         self.prompt_field, self.answer_field, self.epochs, self.kind = prompt_field, answer_field, epochs, kind
 
     def __len__(self) -> int:
@@ -119,7 +122,8 @@ class FileTaskset:
         extra = {k: v for k, v in row.items() if k not in (self.prompt_field, self.answer_field)
                  and isinstance(v, (str, int, float, bool, type(None)))}
         return {**extra, "task_id": f"{self.path.stem}-{seq}", "prompt": str(row[self.prompt_field]),
-                "answer": str(row[self.answer_field]), "kind": self.kind, "row": seq % len(self.rows)}
+                "answer": str(row[self.answer_field]), "kind": row.get("kind") or self.kind,
+                "row": seq % len(self.rows)}
 
 
 def _read_rows(path: Path) -> list[dict[str, Any]]:

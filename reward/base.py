@@ -20,7 +20,7 @@ import importlib
 import math
 import numbers
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import structlog
 
@@ -187,6 +187,20 @@ def from_config(cfg) -> RewardFn:
     else:
         fn, name = resolve(cfg.fn), cfg.fn
     return lambda task, response: evaluate(fn, task, response, cfg.failure_score, name)
+
+
+def check_kinds(cfg, tasks: Iterable[Mapping[str, Any]], setting: str) -> None:
+    """With `reward.fn: auto` (each task scored by the reward its `kind` names), ConfigError unless every task's
+    kind names one: otherwise each of their samples would score the failure score, and the run train on nothing.
+    Tasks scored by reward workers (`reward.service`) are theirs to score."""
+    if cfg.terms or cfg.fn != "auto" or cfg.service:
+        return
+    _load_builtins()
+    unknown = {t.get("kind") for t in tasks} - REGISTRY.keys()
+    if unknown:
+        raise ConfigError(f"reward.fn: auto scores each task by the reward its kind names, and tasks of {setting} "
+                          f"have kind {', '.join(sorted(map(repr, unknown)))}: set reward.fn (e.g. math or exact) "
+                          f"or give each row a kind of {sorted(REGISTRY)}")
 
 
 def _load_builtins() -> None:

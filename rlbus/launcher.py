@@ -321,10 +321,20 @@ def _wait_group_gone(pgid: int, timeout: float) -> None:
     log.warning("process_group_lingers", pgid=pgid)
 
 
-def run(cfg: RunConfig) -> int:
+def check_inputs(cfg: RunConfig) -> None:
+    """What a run reads besides its config, tried before anything starts (ConfigError naming the setting): the
+    taskset files, the reward functions, and a reward for each kind of task."""
     from rlbus.common.tasksets import make_taskset
+    from rlbus.reward.base import check_kinds, from_config
 
-    make_taskset(cfg.data)  # a taskset file that cannot be used: ConfigError naming it, before anything starts
-    if cfg.explorer.eval_every:
-        make_taskset(cfg.data, eval_set=True)
+    from_config(cfg.reward)
+    label = "data.path" if cfg.data.taskset == "file" else f"data.taskset {cfg.data.taskset}"
+    for taskset in (make_taskset(cfg.data), make_taskset(cfg.data, eval_set=True) if cfg.explorer.eval_every else None):
+        if taskset is not None:
+            rows = len(getattr(taskset, "rows", [None]))  # a file's rows; a generated taskset's kind is its own
+            check_kinds(cfg.reward, (taskset.task(i) for i in range(rows)), label)
+
+
+def run(cfg: RunConfig) -> int:
+    check_inputs(cfg)
     return Launcher(cfg).run()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -69,6 +70,27 @@ def test_file_taskset_errors_say_what_to_fix(tmp_path):
         load_config(None, ["data.taskset=file"], environ={})
 
 
+def test_a_rows_kind_picks_its_reward_and_a_run_of_tasks_no_reward_scores_is_refused(tmp_path):
+    """With `reward.fn: auto` every task of a file had kind 'file' (a row's own kind overwritten), which no reward
+    scores: each sample scored the failure score, and the run trained on nothing."""
+    from rlbus.common.config import ConfigError
+    from rlbus.launcher import check_inputs
+
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"prompt": "1+1", "answer": "2", "kind": "math"}\n{"prompt": "2+2", "answer": "4"}\n')
+    sets = ["data.taskset=file", f"data.path={path}"]
+    assert [make_taskset(load_config(None, sets, environ={}).data).task(i)["kind"] for i in (0, 1)] == ["math", "file"]
+    with pytest.raises(ConfigError, match="^reward.fn: auto .* tasks of data.path have kind 'file': set reward.fn"):
+        check_inputs(load_config(None, sets, environ={}))
+    for fix in ("reward.fn=math", "reward.service=math", "reward.terms=[{fn: exact, weight: 1.0}]"):
+        check_inputs(load_config(None, [*sets, fix], environ={}))
+    path.write_text('{"prompt": "1+1", "answer": "2", "kind": "math"}\n')
+    check_inputs(load_config(None, sets, environ={}))
+    check_inputs(load_config(None, ["explorer.eval_every=3"], environ={}))  # the default job's own tasks
+    with pytest.raises(ConfigError, match="unknown reward 'nosuch'"):
+        check_inputs(load_config(None, ["reward.fn=nosuch"], environ={}))
+
+
 def test_a_file_taskset_has_a_held_out_set_only_when_given_one(tmp_path):
     """`data.eval_path` empty means no held-out set, as its help says: it was every training row, each one
     generated greedily at every evaluation."""
@@ -125,3 +147,10 @@ def test_a_broker_explorer_or_run_given_a_taskset_file_it_cannot_use_says_so_in_
                                *[a for s in sets for a in ("--set", s)]], capture_output=True, text=True, timeout=120)
         assert done.returncode == 2 and done.stderr.startswith(f"error: {setting}: taskset file "), done.stderr
         assert len(done.stderr.splitlines()) == 1, done.stderr
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parents[2] / "configs").rglob("*.yaml")), ids=lambda p: p.stem)
+def test_every_shipped_config_passes_the_checks_rlbus_up_makes_before_it_starts(path):
+    from rlbus.launcher import check_inputs
+
+    check_inputs(load_config(path, environ={}))
