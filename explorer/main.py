@@ -381,7 +381,8 @@ def run(cfg: RunConfig) -> None:
     from rlbus.weights.models import resolve_model
 
     cfg = with_rollout_dtype(cfg)  # the engine computes in it
-    held_out = make_taskset(cfg.data, eval_set=True) if cfg.explorer.eval_every else None  # a bad file: said now
+    from_config(cfg.reward)  # a reward that cannot be loaded, or a bad held-out file: said before the engine starts
+    held_out = make_taskset(cfg.data, eval_set=True) if cfg.explorer.eval_every else None
     engine = Engine(resolve_model(cfg.model.path, cfg.model.cache_dir), seed=cfg.rollout.seed,
                     memory_fraction=cfg.explorer.memory_fraction, kv_cache_mb=cfg.explorer.kv_cache_mb,
                     dtype=cfg.rollout.dtype, core=cfg.explorer.engine_core, swap_kv=cfg.explorer.swap_kv,

@@ -142,10 +142,11 @@ def test_a_broker_explorer_or_run_given_a_taskset_file_it_cannot_use_says_so_in_
     for command, sets, setting in (("broker", [f"data.path={tmp_path / 't.jsonl'}"], "data.path"),
                                    ("up", [f"data.path={tmp_path / 't.jsonl'}"], "data.path"),
                                    ("explorer", [f"data.path={tmp_path / 't.jsonl'}", "explorer.eval_every=5",
-                                                 f"data.eval_path={tmp_path / 'nope.jsonl'}"], "data.eval_path")):
+                                                 f"data.eval_path={tmp_path / 'nope.jsonl'}"], "data.eval_path"),
+                                   ("explorer", ["data.path=x.jsonl", "reward.fn=nosuch"], "unknown reward 'nosuch'")):
         done = subprocess.run([sys.executable, "-m", "rlbus.cli", command, *common,
                                *[a for s in sets for a in ("--set", s)]], capture_output=True, text=True, timeout=120)
-        assert done.returncode == 2 and done.stderr.startswith(f"error: {setting}: taskset file "), done.stderr
+        assert done.returncode == 2 and done.stderr.startswith(f"error: {setting}"), done.stderr
         assert len(done.stderr.splitlines()) == 1, done.stderr
 
 
