@@ -60,6 +60,9 @@ CREATE TABLE IF NOT EXISTS revisits (
 """
 
 
+FILE = "buffer.sqlite3"  # in the buffer directory
+
+
 class Catalog:
     def __init__(self, path: str | Path, fsync: bool, readonly: bool = False):
         """`readonly`: a reader beside the broker (or after it): changes nothing, not even the schema."""

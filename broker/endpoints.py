@@ -7,13 +7,14 @@ names the broker's pid, so a file left by an earlier broker is never taken for t
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import zmq
 
@@ -22,10 +23,34 @@ from rlbus.common.curve import load_server_auth
 from rlbus.common.broker_config import BrokerConfig
 
 NAME = "endpoints.json"
+LOCK = "broker.lock"
 
 
 class BindError(RuntimeError):
     """An address the broker was told to serve on cannot be bound (a port in use, an address not of this host)."""
+
+
+class InUse(RuntimeError):
+    """The buffer directory is another running broker's."""
+
+
+def hold(buffer_dir: Path) -> IO[str]:
+    """The buffer directory, this broker's alone while it runs (a second broker on it would write the same
+    segments and catalogue); the open lock file, to keep. The lock goes with the process, however it ends."""
+    f = open(Path(buffer_dir) / LOCK, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "?"
+        f.close()
+        raise InUse(f"{buffer_dir} is the buffer directory of a broker that runs (pid {holder}); stop it, or "
+                        "give this one another buffer.dir (or run.dir)") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
 
 
 def bind(sock: zmq.Socket, host: str, port: int) -> int:

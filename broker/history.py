@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Iterator
 
-from rlbus.broker.catalog import Catalog
+from rlbus.broker.catalog import FILE as CATALOG_FILE, Catalog
 from rlbus.broker.segments import SegmentLog
 from rlbus.common import protocol as P
 
@@ -21,7 +21,7 @@ from rlbus.common import protocol as P
 class DeliveredBatches:
     def __init__(self, directory: str | Path):
         self.dir = Path(directory)
-        self.catalog = Catalog(self.dir / "buffer.sqlite3", fsync=False, readonly=True)
+        self.catalog = Catalog(self.dir / CATALOG_FILE, fsync=False, readonly=True)
         self.segments = SegmentLog(self.dir / "segments", fsync=False, segment_bytes=1 << 30)
         self._where: dict[str, tuple[int, int, int, int, dict[str, Any]]] = {}
         for meta, segment, offset, length, crc in self.catalog.placed():

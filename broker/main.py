@@ -10,11 +10,13 @@ would run the collector every few trajectories: 15% of the loop's busy time in t
 from __future__ import annotations
 
 import gc
+import sqlite3
 from pathlib import Path
 
 import structlog
 
-from rlbus.broker.endpoints import BindError
+from rlbus.broker import catalog
+from rlbus.broker.endpoints import BindError, InUse, hold
 from rlbus.broker.metrics import serve_metrics
 from rlbus.broker.server import Broker
 from rlbus.common.config import RunConfig
@@ -29,9 +31,18 @@ def run(cfg: RunConfig) -> None:
     """Serve until SIGTERM, SIGINT or SIGHUP."""
     Path(cfg.buffer_dir()).mkdir(parents=True, exist_ok=True)
     try:
+        lock = hold(cfg.buffer_dir())  # noqa: F841  (held until the process ends)
+    except InUse as exc:
+        log.error("broker_dir_in_use", error=str(exc))
+        raise SystemExit(1) from None
+    try:
         broker = Broker(cfg)
     except BindError as exc:  # a port in use, an address not of this host: said in one line, exit 1
         log.error("broker_bind_failed", error=str(exc))
+        raise SystemExit(1) from None
+    except sqlite3.DatabaseError as exc:  # its catalogue damaged, or of something else
+        log.error("broker_catalogue_unreadable", error=f"{Path(cfg.buffer_dir()) / catalog.FILE}: {exc}; move the "
+                  "buffer directory aside (it holds the run's data) or give another buffer.dir")
         raise SystemExit(1) from None
     freeze_heap()  # what start-up built (modules, the index restored from disk) is never scanned again
     gc.set_threshold(GC_YOUNG_THRESHOLD, 10, 10)

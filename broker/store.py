@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlbus.broker.catalog import Catalog
+from rlbus.broker.catalog import FILE as CATALOG_FILE, Catalog
 from rlbus.broker.segments import SegmentLog, crc32
 
 # Group states. FILLING and READY follow from the samples stored; the others are in the batches and retired tables.
@@ -83,7 +83,7 @@ class Store:
         self.cache_budget = cache_bytes
         self.cached = 0
         self.segments = SegmentLog(self.dir / "segments", self.fsync, segment_bytes)
-        self.catalog = Catalog(self.dir / "buffer.sqlite3", self.fsync)
+        self.catalog = Catalog(self.dir / CATALOG_FILE, self.fsync)
         self.pending_ids: set[str] = set()
         self.pending_groups: Counter[str] = Counter()  # group id -> trajectories of it being written
         self.ids: set[str] = set()

@@ -13,7 +13,7 @@ import pytest
 from rlbus.broker import endpoints
 from rlbus.common import protocol as P
 from rlbus.common.client import BrokerClient
-from tests.conftest import ipv6_loopback
+from tests.conftest import group, ipv6_loopback
 from tests.helpers.waiting import wait_for
 
 
@@ -61,6 +61,37 @@ def test_an_address_the_broker_cannot_bind_is_one_error_line_and_exit_1(tmp_path
             assert "Traceback" not in run.stderr
     finally:
         taken.close()
+
+
+def _broker_exit(data_dir, event: str) -> dict:
+    """`rlbus broker` on `data_dir`, expected to refuse to start: its one `event` line (exit 1, no traceback)."""
+    sets = ["broker.port=0", "broker.pub_port=0", f"run.dir={data_dir}", f"buffer.dir={data_dir}",
+            "logging.format=json"]
+    run = subprocess.run([sys.executable, "-m", "rlbus.cli", "broker", *[a for s in sets for a in ("--set", s)]],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-2000:]
+    said = [json.loads(line) for line in (run.stdout + run.stderr).splitlines() if f'"{event}"' in line]
+    assert len(said) == 1, run.stdout + run.stderr
+    return said[0]
+
+
+def test_a_second_broker_on_a_buffer_directory_in_use_is_refused_and_the_first_goes_on(broker_factory, clients):
+    """Two brokers on one directory both ran, writing the same segment file and catalogue."""
+    first = broker_factory()
+    said = _broker_exit(first.data_dir, "broker_dir_in_use")
+    assert f"a broker that runs (pid {first.proc.pid})" in said["error"] and str(first.data_dir) in said["error"]
+    ex = clients(first, "explorer", "ex")
+    assert ex.put(group("g"), timeout=5)["stored"] == ["g.0", "g.1"]
+    assert json.loads((first.data_dir / endpoints.NAME).read_text())["pid"] == first.proc.pid
+    first.kill()  # SIGKILL: the lock goes with the process
+    first.start()
+    assert clients(first, "tool", "st").request(P.STATUS, timeout=5).header["buffer"]["stored"] == 2
+
+
+def test_a_catalogue_that_is_no_database_is_one_error_line_naming_it(tmp_path):
+    (tmp_path / "buffer.sqlite3").write_bytes(bytes(range(256)) * 32)
+    said = _broker_exit(tmp_path, "broker_catalogue_unreadable")
+    assert said["error"].startswith(f"{tmp_path / 'buffer.sqlite3'}: file is not a database; move the buffer")
 
 
 def test_a_peer_given_only_the_brokers_port_reaches_it(broker, clients):
