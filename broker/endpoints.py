@@ -7,7 +7,6 @@ names the broker's pid, so a file left by an earlier broker is never taken for t
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import subprocess
@@ -20,6 +19,7 @@ import zmq
 
 from rlbus.common import protocol as P
 from rlbus.common.curve import load_server_auth
+from rlbus.common.processes import Held, hold_lock
 from rlbus.common.broker_config import BrokerConfig
 
 NAME = "endpoints.json"
@@ -36,21 +36,12 @@ class InUse(RuntimeError):
 
 def hold(buffer_dir: Path) -> IO[str]:
     """The buffer directory, this broker's alone while it runs (a second broker on it would write the same
-    segments and catalogue); the open lock file, to keep. The lock goes with the process, however it ends."""
-    f = open(Path(buffer_dir) / LOCK, "a+")
+    segments and catalogue); the open lock file, to keep."""
     try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        holder = f.read().strip() or "?"
-        f.close()
-        raise InUse(f"{buffer_dir} is the buffer directory of a broker that runs (pid {holder}); stop it, or "
-                        "give this one another buffer.dir (or run.dir)") from None
-    f.seek(0)
-    f.truncate()
-    f.write(f"{os.getpid()}\n")
-    f.flush()
-    return f
+        return hold_lock(Path(buffer_dir) / LOCK)
+    except Held as exc:
+        raise InUse(f"{buffer_dir} is the buffer directory of a broker that runs (pid {exc.pid}); stop it, or "
+                    "give this one another buffer.dir (or run.dir)") from None
 
 
 def bind(sock: zmq.Socket, host: str, port: int) -> int:

@@ -12,12 +12,14 @@ stalls their threads.
 
 from __future__ import annotations
 
+import fcntl
 import gc
 import os
 import signal
 import threading
 import time
-from typing import Callable
+from pathlib import Path
+from typing import IO, Callable
 
 import structlog
 
@@ -86,3 +88,29 @@ def freeze_heap() -> None:
     gc.freeze()
     structlog.get_logger().info("heap_frozen", objects=gc.get_freeze_count(),
                                 seconds=round(time.monotonic() - started, 3))
+
+
+class Held(RuntimeError):
+    """Another running process holds the lock; `pid` is the one it wrote in the lock file."""
+
+    def __init__(self, path: Path, pid: str):
+        super().__init__(f"{path} is held by pid {pid}")
+        self.pid = pid
+
+
+def hold_lock(path: str | Path) -> IO[str]:
+    """An exclusive lock on `path` (flock, the file made if need be) with this process's pid in it, held while the
+    returned file stays open; the lock goes with the process however it ends. Held if another process has it."""
+    f = open(path, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "?"
+        f.close()
+        raise Held(Path(path), holder) from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f

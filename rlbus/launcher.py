@@ -36,7 +36,7 @@ import structlog
 from rlbus.broker import endpoints
 from rlbus.common.broker_config import dialled
 from rlbus.common.config import ConfigError, LaunchConfig, RunConfig, dump_config, parse_cpus
-from rlbus.common.processes import on_stop_signals, terminate_with
+from rlbus.common.processes import Held, hold_lock, on_stop_signals, terminate_with
 from rlbus.logview import events, last_event
 from rlbus.progress import RunView, wanted
 
@@ -104,6 +104,11 @@ class Launcher:
         self.run_dir = Path(cfg.run.dir)
         self.logs = self.run_dir / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
+        try:  # before a file of it is written: a second `rlbus up` here wrote over the first's config.yaml
+            self.lock = hold_lock(self.run_dir / "run.lock")
+        except Held as exc:
+            raise ConfigError(f"run.dir: {self.run_dir} is the directory of a run in progress (rlbus up, pid "
+                              f"{exc.pid}); give another run.dir, or stop that run") from None
         self.snapshot = self.run_dir / "config.yaml"
         self.snapshot.write_text(dump_config(cfg))
         launch, port = cfg.launch, cfg.metrics.prometheus_port

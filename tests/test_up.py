@@ -295,3 +295,20 @@ def test_a_component_that_fails_is_reported_with_the_reason_its_log_gives(tmp_pa
     failed = events_in_text(proc.stderr + proc.stdout, "component_failed")
     assert [(e["component"], e["exit_code"]) for e in failed] == [("trainer", 2)], proc.stderr[-2000:]
     assert "is a directory without config.json" in failed[0]["error"]
+
+
+def test_a_second_rlbus_up_on_a_run_directory_in_use_is_refused_before_it_writes_there(tmp_path):
+    """It wrote its own config.yaml over the running one's (which a restarted broker and `rlbus replay` read)."""
+    from rlbus.common.processes import hold_lock
+
+    lock = hold_lock(tmp_path / "run.lock")  # as the first `rlbus up` holds it
+    (tmp_path / "config.yaml").write_text("the first run's\n")
+    try:
+        done = subprocess.run([sys.executable, "-m", "rlbus.cli", "up", "--set", f"run.dir={tmp_path}"], cwd=REPO,
+                              capture_output=True, text=True, timeout=60)
+    finally:
+        lock.close()
+    assert done.returncode == 2 and done.stderr == (f"error: run.dir: {tmp_path} is the directory of a run in progress "
+                                                    f"(rlbus up, pid {os.getpid()}); give another run.dir, or stop "
+                                                    "that run\n"), done.stderr
+    assert (tmp_path / "config.yaml").read_text() == "the first run's\n" and not (tmp_path / "summary.json").exists()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import subprocess
 import sys
 import textwrap
@@ -50,3 +51,26 @@ def test_a_frozen_heap_is_left_out_of_collections():
     assert not any(id(o) in tracked for o in made_before)
     gc.collect()
     assert all(o == [i] for i, o in enumerate(made_before))
+
+
+def test_a_lock_is_one_processes_and_goes_with_it(tmp_path):
+    """What keeps a second broker off a buffer directory, and a second `rlbus up` off a run directory."""
+    import pytest
+
+    from rlbus.common.processes import Held, hold_lock
+
+    path = tmp_path / "x.lock"
+    holder = subprocess.Popen([sys.executable, "-c", f"from rlbus.common.processes import hold_lock; "
+                               f"f = hold_lock({str(path)!r}); print('held', flush=True); import time; time.sleep(60)"],
+                              cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        with pytest.raises(Held) as exc:
+            hold_lock(path)
+        assert exc.value.pid == str(holder.pid)
+    finally:
+        holder.kill()
+        holder.wait()
+    mine = hold_lock(path)  # SIGKILL let it go
+    assert path.read_text() == f"{os.getpid()}\n"
+    mine.close()
