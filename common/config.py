@@ -205,6 +205,11 @@ def _env_overrides(environ: dict[str, str]) -> list[tuple[str, Any, str]]:
         if key.startswith(ENV_PREFIX) and "__" in key:
             dotted = key[len(ENV_PREFIX):].lower().replace("__", ".")
             out.append((dotted, _parse_scalar(value), f"environment {key}"))
+        elif key.startswith(ENV_PREFIX) and (section := key[len(ENV_PREFIX):].partition("_")[0]).lower() \
+                in RunConfig.model_fields:  # RLBUS_TRAINER_LR: a setting misspelt, never ignored
+            field = key[len(ENV_PREFIX) + len(section) + 1:]
+            raise ConfigError(f"environment {key}: a setting is RLBUS_SECTION__FIELD, two underscores after the "
+                              f"section{f': {ENV_PREFIX}{section}__{field}?' if field else ''}")
     return out
 
 

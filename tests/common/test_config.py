@@ -112,6 +112,14 @@ def test_rlbus_up_hands_its_children_the_ports_its_broker_bound_on_the_brokers_h
     assert (cfg.broker.address, cfg.bus_address()) == (f"tcp://{dialled}:7000", f"tcp://{dialled}:7001")
 
 
+def test_an_environment_setting_with_one_underscore_after_its_section_is_an_error_not_ignored():
+    with pytest.raises(ConfigError, match="^environment RLBUS_TRAINER_LR: .* underscores .*: RLBUS_TRAINER__LR\\?$"):
+        load_config(None, environ={"RLBUS_TRAINER_LR": "1e-6"})
+    # rlbus's own variables that name no section are no settings
+    assert load_config(None, environ={"RLBUS_ENGINE_OWNER_PID": "1", "RLBUS_STORE_FD": "3"}).trainer.lr > 0
+    assert load_config(None, environ={"RLBUS_TRAINER__LR": "1e-6"}).trainer.lr == 1e-6
+
+
 def test_missing_and_malformed_files(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.yaml", environ={})
