@@ -100,7 +100,7 @@ class FileTaskset:
         self.rows = _read_rows(self.path)
         if not self.rows:
             raise ValueError(f"taskset file {path} has no rows")
-        for i, row in enumerate(self.rows):  # every row, now: a task that cannot be made would stall the run later
+        for i, row in enumerate(self.rows):  # every row: a task that cannot be made would fail its LEASE mid-run
             if not isinstance(row, dict):
                 raise ValueError(f"taskset file {path}: row {i + 1} is a JSON {type(row).__name__}, not an object")
             for field in (prompt_field, answer_field):

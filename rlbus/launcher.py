@@ -333,8 +333,10 @@ def check_inputs(cfg: RunConfig) -> None:
     from rlbus.reward.base import check_kinds, from_config
 
     from_config(cfg.reward)
-    label = "data.path" if cfg.data.taskset == "file" else f"data.taskset {cfg.data.taskset}"
-    for taskset in (make_taskset(cfg.data), make_taskset(cfg.data, eval_set=True) if cfg.explorer.eval_every else None):
+    file = cfg.data.taskset == "file"
+    for label, eval_set in (("data.path" if file else f"data.taskset {cfg.data.taskset}", False),
+                            ("data.eval_path" if file else "the held-out set", True)):
+        taskset = make_taskset(cfg.data, eval_set) if not eval_set or cfg.explorer.eval_every else None
         if taskset is not None:
             rows = len(getattr(taskset, "rows", [None]))  # a file's rows; a generated taskset's kind is its own
             check_kinds(cfg.reward, (taskset.task(i) for i in range(rows)), label)
