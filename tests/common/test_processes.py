@@ -53,7 +53,7 @@ def test_a_frozen_heap_is_left_out_of_collections():
     assert all(o == [i] for i, o in enumerate(made_before))
 
 
-def test_a_lock_is_one_processes_and_goes_with_it(tmp_path):
+def test_a_lock_is_held_by_one_process_and_goes_with_it(tmp_path):
     """What keeps a second broker off a buffer directory, and a second `rlbus up` off a run directory."""
     import pytest
 
