@@ -40,8 +40,9 @@ class WeightBus:
         if h["method"] not in METHODS:
             return P.ProtocolError("bad_field", f"PUBLISH: method {h['method']!r} is not one of {METHODS}")
         fetch_from = h.get("fetch_from")
-        if fetch_from is not None and not P.ENDPOINT.fullmatch(fetch_from):
-            return P.ProtocolError("bad_field", f"PUBLISH: fetch_from {P.brief(fetch_from)} is not tcp://HOST:PORT")
+        if fetch_from is not None and not P.dialable(fetch_from):
+            return P.ProtocolError("bad_field", f"PUBLISH: fetch_from {P.brief(fetch_from)} is not tcp://HOST:PORT "
+                                                "(PORT 1 to 65535)")
         if h["version"] > 0 and not h["location"] and not h.get("broadcast"):
             return P.ProtocolError("bad_field", f"PUBLISH: version {h['version']} has an empty location and no "
                                                 "broadcast, so no explorer could load it")

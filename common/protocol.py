@@ -68,7 +68,14 @@ MAX_REPLY_HEADER_BYTES = 256 << 20
 MAX_REPLY_DEPTH = MAX_DEPTH + 4
 
 # A ZeroMQ TCP endpoint as peers dial it: tcp://HOST:PORT, HOST a name, an IPv4 address or [IPv6].
-ENDPOINT = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[^\s/:\[\]]+):\d{1,5}")
+ENDPOINT = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[^\s/:\[\]]+):(\d{1,5})")
+
+
+def dialable(endpoint: str) -> bool:
+    """Whether `endpoint` is tcp://HOST:PORT that a peer can dial: HOST a name, an IPv4 address or [IPv6], PORT
+    1 to 65535."""
+    match = ENDPOINT.fullmatch(endpoint)
+    return match is not None and 1 <= int(match[2]) <= 65535
 # Hosts that mean every interface of the machine, for a socket that binds.
 EVERY_INTERFACE = ("0.0.0.0", "*", "", "::")
 

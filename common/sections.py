@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from rlbus.common.messages import MAX_ID_CHARS, MAX_WORKERS
-from rlbus.common.protocol import ENDPOINT
+from rlbus.common.protocol import dialable
 
 
 class Section(BaseModel):
@@ -189,8 +189,8 @@ class SyncConfig(Section):
 
 def _endpoint(value: str) -> str:
     """A broker address as clients dial it: tcp://HOST:PORT (HOST a name, an IPv4 address or [IPv6])."""
-    if value and not ENDPOINT.fullmatch(value):
-        raise ValueError("must be tcp://HOST:PORT, e.g. tcp://10.0.0.5:5555")
+    if value and not dialable(value):
+        raise ValueError("must be tcp://HOST:PORT (PORT 1 to 65535), e.g. tcp://10.0.0.5:5555")
     return value
 
 

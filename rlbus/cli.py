@@ -189,6 +189,8 @@ def status(config: ConfigArg = None, set: SetOpt = None,
            broker: BrokerOpt = None,
            timeout: Annotated[float, typer.Option(help="Seconds to wait for the broker.")] = 5.0) -> None:
     """Print the broker's STATUS (peers, versions, buffer depth, leases) as JSON."""
+    if not 0 < timeout < float("inf"):  # NaN too: it waited for ever
+        raise typer.BadParameter("a number of seconds above 0", param_hint="--timeout")
     cfg = _load(config, _with_broker(set, broker))
     from rlbus.common.client import BrokerClient
     from rlbus.common.logging import setup_logging

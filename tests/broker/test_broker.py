@@ -279,7 +279,7 @@ def test_publish_carries_where_to_fetch_and_refuses_a_bad_address(broker, client
     ex = clients(broker, "explorer", "ex")
     tr = clients(broker, "trainer", "tr")
     state = {"version": 1, "method": "checkpoint", "location": "/w/v1", "digest": "abc", "step": 1}
-    for bad in ("/w/v1", "tcp://host", "ipc:///tmp/x", "tcp://h:1 ; rm"):
+    for bad in ("/w/v1", "tcp://host", "ipc:///tmp/x", "tcp://h:1 ; rm", "tcp://h:0", "tcp://h:70000"):
         with pytest.raises(BrokerError, match="bad_field.*fetch_from"):
             tr.request(P.PUBLISH, {**state, "fetch_from": bad})
     tr.request(P.PUBLISH, {**state, "version": 0, "fetch_from": "tcp://[fd00::5]:5557"})  # IPv6 as ZeroMQ writes it

@@ -55,6 +55,8 @@ def test_off_stays_a_string_and_a_mapping_needs_braces():
     (["data.revisit_times=0"], "data.revisit_times = 0"),
     (["broker.address=broker-host:5555"], "broker.address = 'broker-host:5555': must be tcp://HOST:PORT"),
     (["broker.pub_address=tcp://h"], "broker.pub_address = 'tcp://h': must be tcp://HOST:PORT"),
+    (["broker.address=tcp://broker-host:99999"], "broker.address = 'tcp://broker-host:99999': must be tcp://HOST:PORT"),
+    (["explorer.fetch_from=tcp://mirror:0"], "explorer.fetch_from = 'tcp://mirror:0': must be tcp://HOST:PORT"),
     (["broker.host=tcp://10.0.0.5"], "broker.host = 'tcp://10.0.0.5': must be a host name or an IP address"),
     (["broker.host=broker-host:5555"], "broker.host = 'broker-host:5555': must be a host name or an IP address, "
                                        "without a port"),
