@@ -54,10 +54,10 @@ def _with_broker(sets: Optional[list[str]], broker: Optional[str]) -> list[str]:
     return [*(sets or []), *([f"broker.address={broker}"] if broker else [])]
 
 
-def _on_run(tool, run_dir: Path, *args):
-    """A tool that reads a run directory: what it returns, or its error said plainly (exit 2)."""
+def _on_run(tool, path: Path, *args):
+    """What a tool returns, or its error (bad input, a file it cannot use) said plainly (exit 2)."""
     try:
-        return tool(run_dir, *args)
+        return tool(path, *args)
     except (ValueError, OSError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
@@ -365,14 +365,15 @@ def model_prepare(name: Annotated[str, typer.Argument(help="Bundled model name."
 @model_app.command("tiny")
 def model_tiny(directory: Annotated[Path, typer.Argument(help="Where to write the tiny model.")],
                tokenizer_from: Annotated[str, typer.Option(help="Model whose tokenizer to use.")] = "smollm2-135m",
-               layers: int = 2, hidden: int = 128, seed: int = 0) -> None:
+               layers: Annotated[int, typer.Option(min=1)] = 2, hidden: Annotated[int, typer.Option(min=64)] = 128,
+               seed: Annotated[int, typer.Option(min=0)] = 0) -> None:
     """Build a small random model with the bundled model's tokenizer (for tests)."""
     from rlbus.common.logging import setup_logging
 
     setup_logging("model", "info", "auto")
     from rlbus.weights.models import make_tiny, resolve_model
 
-    typer.echo(make_tiny(directory, resolve_model(tokenizer_from), layers, hidden, seed))
+    typer.echo(_on_run(make_tiny, directory, resolve_model(tokenizer_from), layers, hidden, seed))
 
 
 def main() -> None:

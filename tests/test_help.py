@@ -34,3 +34,17 @@ def test_rlbus_status_refuses_a_timeout_that_is_no_positive_number(timeout):
     done = subprocess.run([sys.executable, "-m", "rlbus.cli", "status", "--timeout", timeout], capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 2 and "a number of seconds above 0" in done.stderr, done.stderr
+
+
+def test_rlbus_model_tiny_says_what_it_cannot_make_in_one_line(tmp_path):
+    """A directory under a file, or a width vLLM cannot run, was a traceback."""
+    import subprocess
+    import sys
+
+    (tmp_path / "file").write_text("")
+    for args, said in (([str(tmp_path / "file" / "m")], "Not a directory"),
+                       ([str(tmp_path / "m"), "--hidden", "100"], "hidden=100 must be a multiple of 64")):
+        done = subprocess.run([sys.executable, "-m", "rlbus.cli", "model", "tiny", *args], capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 2 and done.stderr.startswith("error: ") and said in done.stderr, done.stderr
+        assert len(done.stderr.splitlines()) == 1, done.stderr
