@@ -30,6 +30,7 @@ from __future__ import annotations
 import filecmp
 import json
 import platform
+import sqlite3
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -112,10 +113,15 @@ def replay(run_dir: str | Path, buffer_dir: str | Path | None = None, out_dir: s
                        if (p / "state.pt").exists()}
     sender = CheckpointSender(out / "weights", record["model_path"], dtype=getattr(torch, cfg.rollout.dtype),
                               keep=max(1, len(run_versions)))
-    trainer = Trainer(cfg, record["model_path"], publisher=sender)
-    result = Replayed(0, out)
-    started = time.monotonic()
-    with DeliveredBatches(buffer) as history:
+    try:  # read before the trainer is built: a buffer that is none is said at once
+        history = DeliveredBatches(buffer)
+    except sqlite3.DatabaseError as exc:
+        raise ReplayError(f"{buffer}: its catalogue cannot be read ({exc}); give the run's buffer directory "
+                          "(--buffer)") from None
+    with history:
+        trainer = Trainer(cfg, record["model_path"], publisher=sender)
+        result = Replayed(0, out)
+        started = time.monotonic()
         total = sum(1 for _ in history.catalog.deliveries())
         if steps is not None:
             total = min(total, steps)

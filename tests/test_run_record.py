@@ -152,6 +152,16 @@ def test_a_run_without_a_record_is_a_clear_error(tmp_path):
     assert done.returncode == 2 and "trainer.json is missing" in done.stderr
 
 
+def test_a_buffer_whose_catalogue_is_no_database_is_a_clear_error(async_run, tmp_path):
+    """It was a DatabaseError traceback, after the trainer was built."""
+    (tmp_path / "buffer").mkdir()
+    (tmp_path / "buffer" / "buffer.sqlite3").write_bytes(bytes(range(256)) * 32)
+    done = _cli("replay", async_run[0], "--buffer", tmp_path / "buffer", "--out", tmp_path / "replay")
+    assert done.returncode == 2 and done.stderr.splitlines()[-1] == (
+        f"error: {tmp_path / 'buffer'}: its catalogue cannot be read (file is not a database); give the run's buffer "
+        "directory (--buffer)"), done.stderr[-3000:]
+
+
 def test_the_trace_is_chrome_trace_json_whose_spans_are_the_logs(async_run, tmp_path):
     async_run, _ = async_run
     out = tmp_path / "trace.json"
