@@ -18,7 +18,7 @@ import structlog
 
 from rlbus.common import protocol as P, telemetry
 from rlbus.common.client import BrokerClient, default_name
-from rlbus.common.config import RunConfig
+from rlbus.common.config import ConfigError, RunConfig
 from rlbus.common.logging import bind
 from rlbus.common.processes import freeze_heap, on_stop_signals
 from rlbus.reward.base import Response, RewardResult, evaluate, from_config, resolve
@@ -50,9 +50,14 @@ class RewardWorker:
     def _rm_handler(self) -> Callable[[list[dict]], list[dict]]:
         from rlbus.reward.rm import RewardModel
 
-        if not self.cfg.reward.rm_path:
-            raise ValueError("service rm needs reward.rm_path (a sequence-classification model directory)")
-        model = RewardModel(self.cfg.reward.rm_path)
+        path = self.cfg.reward.rm_path
+        if not path:
+            raise ConfigError("service rm needs reward.rm_path (a sequence-classification model directory)")
+        try:
+            model = RewardModel(path)
+        except (OSError, ValueError) as exc:  # no such directory, no model there, a model of another kind
+            raise ConfigError(f"reward.rm_path={path!r}: no sequence-classification model loads from it "
+                              f"({str(exc).splitlines()[0][:300]})") from None
 
         def score(items: list[dict]) -> list[dict]:
             scores = model.score([it["task"].get("prompt", "") for it in items], [it.get("text", "") for it in items])

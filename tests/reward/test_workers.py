@@ -138,3 +138,15 @@ def test_a_worker_told_to_stop_while_no_broker_answers_stops_at_once(tmp_path):
     stderr = log.read_text()
     assert stderr.splitlines()[-1].startswith("stopped before the broker at tcp://127.0.0.1:"), stderr[-2000:]
     assert "Traceback" not in stderr
+
+
+def test_a_reward_model_worker_without_a_model_it_can_load_says_so_in_one_line(tmp_path):
+    """Both were a traceback (a ValueError; the model hub's error for a path that is not there)."""
+    for sets, said in (([], "error: service rm needs reward.rm_path"),
+                       ([f"reward.rm_path={tmp_path / 'nope'}"], f"error: reward.rm_path='{tmp_path / 'nope'}': no "
+                                                                  "sequence-classification model loads from it")):
+        done = subprocess.run([sys.executable, "-m", "rlbus.cli", "reward", "--broker", "tcp://127.0.0.1:1",
+                               "--service", "rm", *[a for s in sets for a in ("--set", s)]],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and done.stderr.startswith(said), done.stderr[-2000:]
+        assert len(done.stderr.splitlines()) == 1, done.stderr[-2000:]
