@@ -41,3 +41,14 @@ def test_rm_as_a_reward_plugin(tiny_rm):
 
     r = evaluate(functools.partial(resolve("rm"), path=tiny_rm), {"prompt": "hi"}, Response("hello"))
     assert r.details["model"] == tiny_rm and isinstance(r.score, float)
+
+
+def test_a_config_with_the_rm_reward_and_no_model_is_refused():
+    """reward.fn=rm (which can carry no path) scored every sample 0; now an error that says how to give one."""
+    from rlbus.common.config import ConfigError, load_config
+    from rlbus.reward.base import from_config
+
+    for sets in (["reward.fn=rm"], ["reward.terms=[{fn: rm, weight: 1.0}, {fn: exact, weight: 1.0}]"]):
+        with pytest.raises(ConfigError, match=r"the rm reward needs its model: reward.terms: \[\{fn: rm"):
+            from_config(load_config(None, sets, environ={}).reward)
+    from_config(load_config(None, ["reward.terms=[{fn: rm, weight: 1.0, params: {path: /m}}]"], environ={}).reward)
