@@ -52,3 +52,4 @@ def test_a_config_with_the_rm_reward_and_no_model_is_refused():
         with pytest.raises(ConfigError, match=r"the rm reward needs its model: reward.terms: \[\{fn: rm"):
             from_config(load_config(None, sets, environ={}).reward)
     from_config(load_config(None, ["reward.terms=[{fn: rm, weight: 1.0, params: {path: /m}}]"], environ={}).reward)
+    from_config(load_config(None, ["reward.fn=rm", "reward.service=rm"], environ={}).reward)  # a worker scores
