@@ -105,3 +105,30 @@ def test_the_words_quoted_are_the_exception_a_program_died_of_even_when_a_forked
     assert _last_said(parent + child_cut_short) == "BlockingIOError: [Errno 11] Resource temporarily unavailable"
     assert _last_said("  only indented\n") == "  only indented" and _last_said("\n \n") == ""
     assert _last_said("first\nlast words\n") == "last words"
+
+
+def test_a_parent_with_a_large_address_space_starts_programs_from_any_call_depth():
+    """An explorer holds gigabytes of address space (vLLM, torch). The child the sandbox forks set its address-space
+    limit before the rest of its set-up, and then any Python call that needed fresh memory failed: every program
+    started from some call depths (92 and 93 frames here) raised "Exception occurred in preexec_fn"."""
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import mmap
+        held = [mmap.mmap(-1, 1 << 30) for _ in range(2)]  # reserved, never touched
+        from rlbus.reward.sandbox import Sandbox
+        sandbox, failed = Sandbox(), []
+        def at(depth, n):
+            if depth:
+                return at(depth - 1, n)
+            try:
+                assert sandbox.run_one("print(6 * 7)").stdout == "42\\n"
+            except Exception as exc:
+                failed.append((n, repr(exc)))
+        for n in range(200):
+            at(n, n)
+        print(failed)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout == "[]\n", (done.stdout[-2000:], done.stderr[-2000:])
