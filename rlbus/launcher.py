@@ -130,8 +130,9 @@ class Launcher:
     def _pin_ports(cfg: RunConfig, port: int, pub_port: int) -> None:
         """Children find the broker on this machine, whatever address it binds."""
         cfg.broker.port, cfg.broker.pub_port = port, pub_port
-        cfg.broker.address = dialled(cfg.broker.host, port)
-        cfg.broker.pub_address = dialled(cfg.broker.host, pub_port)
+        if port and pub_port:  # 0: not bound yet, nothing to dial (set again once the broker has bound a port)
+            cfg.broker.address = dialled(cfg.broker.host, port)
+            cfg.broker.pub_address = dialled(cfg.broker.host, pub_port)
 
     # ---- children ---------------------------------------------------------
 
