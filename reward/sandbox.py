@@ -179,9 +179,9 @@ def _confine(directory: str, limits: Limits, caps: dict[str, bool]) -> None:
         if _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 or \
                 _libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0) != 0:
             os._exit(96)
-    # The limits last, the address space last of all: this child is still a copy of the parent (an explorer's
-    # holds gigabytes of address space), so any Python call after it that needs fresh memory (a new chunk of
-    # the frame stack, a new arena) would fail, and did, at some call depths.
+    # The limits last, the address space last of all: this child is still a copy of its parent (an explorer
+    # holds gigabytes of address space), so a Python call after that limit that needs fresh memory (a new chunk
+    # of the frame stack, a new arena) would fail, as it does from some call depths.
     mb = 1 << 20
     resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s + 1))
     resource.setrlimit(resource.RLIMIT_FSIZE, (limits.file_mb * mb, limits.file_mb * mb))

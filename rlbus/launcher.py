@@ -104,7 +104,7 @@ class Launcher:
         self.run_dir = Path(cfg.run.dir)
         self.logs = self.run_dir / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
-        try:  # before a file of it is written: a second `rlbus up` here wrote over the first's config.yaml
+        try:  # before any file of it is written: a second `rlbus up` here would write over the first's config.yaml
             self.lock = hold_lock(self.run_dir / "run.lock")
         except Held as exc:
             raise ConfigError(f"run.dir: {self.run_dir} is the directory of a run in progress (rlbus up, pid "
