@@ -154,6 +154,7 @@ def brief(value: Any) -> str:
 
 _NESTING = frozenset((dict, list))
 _SCALARS = frozenset((str, int, float, bool, bytes, type(None)))  # what msgpack decodes but maps, lists, extensions
+_VALUES = _SCALARS | _NESTING
 
 
 def too_deep(obj: Any, limit: int = MAX_DEPTH) -> bool:
@@ -172,8 +173,8 @@ def too_deep(obj: Any, limit: int = MAX_DEPTH) -> bool:
             types = set(map(type, children))
             if types <= _SCALARS:
                 continue
-            if not types <= _SCALARS | _NESTING:
-                odd = next(t for t in types if t not in _SCALARS | _NESTING)
+            if not types <= _VALUES:
+                odd = next(t for t in types if t not in _VALUES)
                 raise ProtocolError("malformed", f"header holds a msgpack extension value ({odd.__name__}); "
                                                  "this protocol has no extension types")
             deeper.extend(c for c in children if type(c) in _NESTING)
