@@ -77,6 +77,13 @@ class Trainer(Learner):
         self._publish_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlbus-publish")
         self._publishes: list = []
 
+    def close(self) -> None:
+        """Stops what publishing started (the weight server and its threads); `run` does so when it ends. A trainer
+        used without `run` (a step by hand) is closed by its user."""
+        if self.publisher is not None:
+            self.publisher.close()
+        self._publish_pool.shutdown()
+
     def stop(self) -> None:
         self._stop = True
         if self.client is not None:
@@ -345,7 +352,7 @@ class Trainer(Learner):
                 self._stopped_without_broker(exc)
             finally:
                 self.client.close(bye=True)
-                self.publisher.close()
+                self.close()
         log.info("trainer_stopped", step=self.step, policy_version=self.version)
         return done
 

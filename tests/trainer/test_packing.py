@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import closing
+
 import numpy as np
 import pytest
 import torch
@@ -133,9 +135,9 @@ def test_trainer_step_is_the_same_with_and_without_shared_prompts(tiny_model, tm
     for shared in (False, True):
         cfg = load_config(None, [f"run.dir={tmp_path}/run{shared}", "trainer.lr=1e-3", "trainer.micro_batch=5",
                                  f"trainer.shared_prompt={shared}", "rollout.dtype=float32"], environ={})
-        trainer = Trainer(cfg, tiny_model)
-        metrics = trainer.train_on(batch)
-        after[shared] = (metrics, torch.cat([q.detach().flatten() for q in trainer.model.parameters()]))
+        with closing(Trainer(cfg, tiny_model)) as trainer:
+            metrics = trainer.train_on(batch)
+            after[shared] = (metrics, torch.cat([q.detach().flatten() for q in trainer.model.parameters()]))
     (m_rows, w_rows), (m_packed, w_packed) = after[False], after[True]
     assert m_packed["loss"] == pytest.approx(m_rows["loss"], abs=1e-6)
     assert m_packed["grad_norm"] == pytest.approx(m_rows["grad_norm"], rel=1e-4)

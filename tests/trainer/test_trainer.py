@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import closing
 
 import numpy as np
 import pytest
@@ -118,7 +119,7 @@ def test_status_lists_the_trainer_with_the_version_it_holds(broker_factory, clie
         assert trainer_version(tool) == 2
     finally:
         trainer.client.close(bye=True)
-        trainer.publisher.close()
+        trainer.close()
         tool.close(bye=True)
 
 
@@ -240,8 +241,8 @@ def test_batch_loss_denominator_counts_the_all_equal_groups_left_out(tiny_model,
     for denominator, skipped in (("trained", 20), ("batch", 20), ("batch", 0)):
         cfg = load_config(None, [f"run.dir={tmp_path}/run", "trainer.lr=1e-3", "trainer.micro_batch=12",
                                  f"algorithm.loss_denominator={denominator}", "rollout.dtype=float32"], environ={})
-        trainer = Trainer(cfg, tiny_model)
-        metrics = trainer.train_on(batch, skipped=skipped)
+        with closing(Trainer(cfg, tiny_model)) as trainer:
+            metrics = trainer.train_on(batch, skipped=skipped)
         grads[denominator, skipped] = (metrics["loss"], metrics["grad_norm"])
     loss, norm = grads["trained", 20]
     assert grads["batch", 0] == (pytest.approx(loss, rel=1e-5), pytest.approx(norm, rel=1e-4)), "nothing skipped"
@@ -328,11 +329,11 @@ def test_the_trainer_says_what_autocast_auto_chose_and_records_it_for_replay(bro
 
     b = broker_factory("rollout.repeat=4", "data.batch_tasks=2")
     here = autocast_dtype("auto", torch.device("cpu"))
-    with capture_logs() as logs:
-        trainer = Trainer(trainer_config(b, tmp_path, "trainer.autocast=auto", "rollout.dtype=auto"), tiny_model)
+    with capture_logs() as logs, closing(Trainer(trainer_config(b, tmp_path, "trainer.autocast=auto",
+                                                                "rollout.dtype=auto"), tiny_model)) as trainer:
+        write_record(trainer.cfg, tiny_model, 0, trainer.autocast_name)
     chose = next(e for e in logs if e["event"] == "trainer_autocast")
     assert chose["dtype"] == ("bfloat16" if here else "off") and trainer.autocast == here
-    write_record(trainer.cfg, tiny_model, 0, trainer.autocast_name)
     record = json.loads((tmp_path / "run" / RECORD).read_text())
     # Both as this host resolved them: a replay elsewhere trains and publishes as the run did.
     assert record["autocast"] == chose["dtype"] and record["config"]["rollout"]["dtype"] == rollout_dtype("auto")
