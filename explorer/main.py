@@ -43,7 +43,7 @@ import contextvars
 import threading
 import time
 from concurrent.futures import Future
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import structlog
 
@@ -66,11 +66,12 @@ log = structlog.get_logger()
 
 
 class Explorer:
-    def __init__(self, cfg: RunConfig, engine, name: str | None = None, held_out: Taskset | None = None):
+    def __init__(self, cfg: RunConfig, engine, name: str | None = None, held_out: Taskset | None = None,
+                 reward_fn: Callable | None = None):
         self.cfg = cfg = with_rollout_dtype(cfg)  # the dtype its HELLO reports, as this host resolves `auto`
         self.engine = engine
         self.name = name or cfg.explorer.name or default_name("explorer")
-        self.reward_fn = from_config(cfg.reward)
+        self.reward_fn = reward_fn or from_config(cfg.reward)  # (a reward model is loaded once, by its caller)
         self.stop_event = threading.Event()
         self.announced = threading.Event()  # set when the bus announces a version (and by stop), to wake a wait
         self.batches = 0
@@ -381,7 +382,7 @@ def run(cfg: RunConfig) -> None:
     from rlbus.weights.models import resolve_model
 
     cfg = with_rollout_dtype(cfg)  # the engine computes in it
-    from_config(cfg.reward)  # a reward that cannot be loaded, or a bad held-out file: said before the engine starts
+    reward_fn = from_config(cfg.reward)  # a reward that cannot load, or a bad held-out file: said before the engine
     held_out = make_taskset(cfg.data, eval_set=True) if cfg.explorer.eval_every else None
     engine = Engine(resolve_model(cfg.model.path, cfg.model.cache_dir), seed=cfg.rollout.seed,
                     memory_fraction=cfg.explorer.memory_fraction, kv_cache_mb=cfg.explorer.kv_cache_mb,
@@ -389,7 +390,7 @@ def run(cfg: RunConfig) -> None:
                     tensor_parallel=cfg.explorer.tensor_parallel)
     with engine:
         engine.warm_up()
-        explorer = Explorer(cfg, engine, held_out=held_out)
+        explorer = Explorer(cfg, engine, held_out=held_out, reward_fn=reward_fn)
         freeze_heap()
         on_stop_signals(explorer.stop)
         with telemetry.start(cfg, "explorer", explorer.name):
