@@ -229,6 +229,24 @@ def test_a_missing_explorer_is_waited_for_only_so_long(broker_factory, clients, 
     assert any(e["event"] == "train_step" and e["samples"] == 8 for e in logs)
 
 
+def test_a_trainer_closed_leaves_no_thread_of_its_own(tiny_model, tmp_path):
+    """A trainer used without `run` (steps by hand, as in the tests here) is closed by its user: its weight
+    server's thread ends, as it does when `run` ends."""
+    import threading
+
+    from rlbus.trainer.main import Trainer
+
+    def own() -> set[threading.Thread]:  # (libraries may start threads of their own as the model loads)
+        return {t for t in threading.enumerate() if t.name.startswith(("weight", "rlbus"))}
+
+    before = own()
+    cfg = load_config(None, [f"run.dir={tmp_path}/run", "rollout.dtype=float32"], environ={})
+    trainer = Trainer(cfg, tiny_model)
+    assert "weight-server" in {t.name for t in own() - before}
+    trainer.close()
+    assert own() == before
+
+
 def test_batch_loss_denominator_counts_the_all_equal_groups_left_out(tiny_model, tmp_path):
     """`algorithm.loss_denominator: batch`: a step on 12 trained samples of a 32-sample batch (20 in all-equal
     groups the broker skipped) has the loss and gradient of the trained-only step times 12/32."""
