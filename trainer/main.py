@@ -82,7 +82,7 @@ class Trainer(Learner):
         used without `run` (a step by hand) is closed by its user."""
         if self.publisher is not None:
             self.publisher.close()
-        self._publish_pool.shutdown()
+        self._publish_pool.shutdown(wait=False)  # `run` has waited for its publishes; nothing new is taken
 
     def stop(self) -> None:
         self._stop = True
