@@ -182,10 +182,11 @@ def from_config(cfg) -> RewardFn:
 
     code.configure(Limits(cfg.sandbox_cpu_s, cfg.sandbox_memory_mb, cfg.sandbox_file_mb, cfg.sandbox_processes,
                           wall_s=cfg.sandbox_wall_s), python=cfg.sandbox_python)
-    for spec, params in [] if cfg.service else [(t.fn, t.params) for t in cfg.terms] or [(cfg.fn, {})]:
-        if spec == "rm" and not params.get("path"):  # else every sample would score 0 (unless a worker scores)
-            raise ConfigError("the rm reward needs its model: reward.terms: [{fn: rm, weight: 1.0, params: {path: "
-                              "DIR}}] (a sequence-classification model directory), or a reward worker's rm service")
+    terms = [(t.fn, t.params) for t in cfg.terms] or [(cfg.fn, {})]
+    if not cfg.service and any(spec == "rm" and not params.get("path") for spec, params in terms):
+        # Else every sample would score 0 (a reward worker's rm service scores with a model of its own).
+        raise ConfigError("the rm reward needs its model: reward.terms: [{fn: rm, weight: 1.0, params: {path: "
+                          "DIR}}] (a sequence-classification model directory), or a reward worker's rm service")
     if cfg.terms:
         fn, name = combine([(t.fn, t.weight, t.params) for t in cfg.terms]), "combined"
     else:
