@@ -303,6 +303,9 @@ class ExplorerConfig(Section):
     """Where vLLM's engine core runs: inside the explorer process, or in a process of its own. auto: inline on
     vLLM's CPU build (the tiny model's engine starts in ~5 s instead of ~24 s, and generates on all the
     explorer's cores), a process of its own on GPUs."""
+    threads: int = Field(0, ge=0)
+    """CPU threads the engine computes on, with its core inline (0: one per core the explorer may use). Fewer
+    where other processes share its cores: its threads wait on each other (README, "Sharing the cores")."""
 
 
 class TrainerConfig(Section):
@@ -345,7 +348,8 @@ class TrainerConfig(Section):
     """With world_size > 1: how long a rank waits in one collective (a rank that died is noticed sooner, by
     `rlbus trainer`, which stops the others at once)."""
     threads: int = Field(0, ge=0)
-    """CPU threads for torch (0: torch's default)."""
+    """CPU threads for torch (0: torch's default, one per core). Fewer where other processes share its cores: its
+    threads wait on each other (README, "Sharing the cores")."""
     deterministic: bool = True
     """Deterministic algorithms (torch.use_deterministic_algorithms; on GPUs also CUBLAS_WORKSPACE_CONFIG), so
     that `rlbus replay` trains the same batches to the same weights bit for bit, given the same device kind,

@@ -42,6 +42,7 @@ _ROLLOUT = [  # a batch-at-a-time explorer's `explorer_batch`, a streaming one's
     ("rlbus_explorer_samples_total", "counter", "samples", "Samples generated and scored"),
     ("rlbus_explorer_tokens_total", "counter", "tokens", "Tokens generated"),
     ("rlbus_explorer_rollout_seconds", "histogram", "rollout_s", "Wall time of a rollout"),
+    ("rlbus_explorer_core_wait", "gauge", "core_wait", "Share of its threads' time the last rollout waited for a core"),
 ]
 # event -> (metric, kind, field, help); kind: gauge (last value), counter (adds the value), histogram
 EVENT_METRICS: dict[str, list[tuple[str, str, str, str]]] = {
@@ -58,6 +59,7 @@ EVENT_METRICS: dict[str, list[tuple[str, str, str, str]]] = {
         ("rlbus_trainer_step_seconds", "histogram", "step_s", "Wall time of a step"),
         ("rlbus_trainer_fetch_wait_seconds", "histogram", "wait_s", "Time a step waited for its batch"),
         ("rlbus_trainer_publish_seconds", "histogram", "publish_s", "Time a step spent publishing and committing"),
+        ("rlbus_trainer_core_wait", "gauge", "core_wait", "Share of its threads' time the last step waited for a core"),
     ],
     "explorer_batch": [
         *_ROLLOUT,

@@ -71,15 +71,24 @@ class Engine:
 
     def __init__(self, model: str, *, dtype: str = "bfloat16", seed: int = 0, max_model_len: int = 1024,
                  memory_fraction: float = 0.3, kv_cache_mb: int | None = None, enforce_eager: bool = True,
-                 version: int = 0, core: str = "auto", swap_kv: str = "recompute", tensor_parallel: int = 1):
+                 version: int = 0, core: str = "auto", swap_kv: str = "recompute", tensor_parallel: int = 1,
+                 threads: int = 0):
         if swap_kv not in ("recompute", "keep"):
             raise ValueError(f"swap_kv must be recompute or keep, not {swap_kv!r}")
         started = time.monotonic()
         self.swap_kv = swap_kv
         self.inline = inline_core(core)
+        if threads and not self.inline:
+            raise ValueError("explorer.threads sets the threads of an engine core inline (explorer.engine_core); "
+                             "one in a process of its own takes its cores from VLLM_CPU_OMP_THREADS_BIND")
         if self.inline:
             # vLLM reads this when the engine is built: its engine core and worker then run in this process.
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            import torch
+
+            if threads:  # before vLLM's CPU worker starts, which then refuses torch.set_num_threads
+                torch.set_num_threads(threads)
+            threads = torch.get_num_threads()
         from vllm import LLM
 
         with owning_engines() as self._sockets:  # its processes end when this one does, even by SIGKILL
@@ -92,6 +101,7 @@ class Engine:
                            enable_prefix_caching=swap_kv == "recompute",
                            worker_extension_cls="rlbus.explorer.worker_ext.WeightSyncExtension")
         self.tokenizer = self.llm.get_tokenizer()
+        self.threads = threads  # the CPU threads it computes on, with its core inline (else 0: not this process's)
         self.model = model
         self.version = version
         self.llm.llm_engine.set_weight_version(str(version))  # every step's output carries it
@@ -105,6 +115,7 @@ class Engine:
         self._finished: dict[str, list[Sample]] = {}  # finished while someone else was stepping
         self._ids = itertools.count()
         log.info("engine_started", model=model, dtype=dtype, core="inline" if self.inline else "process",
+                 threads=threads or None,
                  seconds=round(time.monotonic() - started, 2))
 
     def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:

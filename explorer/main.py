@@ -47,7 +47,7 @@ from typing import Any, Callable, Iterator
 
 import structlog
 
-from rlbus.common import metrics, protocol as P, telemetry
+from rlbus.common import cores, metrics, protocol as P, telemetry
 from rlbus.common.client import BrokerClient, BrokerError, BrokerUnreachable, default_name
 from rlbus.common.config import RunConfig
 from rlbus.common.logging import bind
@@ -82,6 +82,7 @@ class Explorer:
                                  cfg.explorer.fetch_timeout_s, cfg.broker.curve_client_key, cfg.explorer.overlap_fetch,
                                  cfg.explorer.delta_wait_s, cfg.explorer.fetch_from, cfg.explorer.fetch_key)
         self.started_at = time.time()
+        self.core_wait = cores.CoreWait("explorer.threads", engine.threads)  # logged with each batch and groups
 
     def connect(self) -> dict[str, Any]:
         b = self.cfg.broker
@@ -247,7 +248,8 @@ class Explorer:
             metrics.emit("explorer_batch", batch_index=leases[0]["batch_index"], tasks=len(leases),
                          samples=len(items), policy_version=self.engine.version,
                          reward_mean=round(sum(rewards) / len(rewards), 4),
-                         rollout_s=round(rollout_s, 3), tokens=tokens, tokens_per_s=round(tokens / rollout_s, 1))
+                         rollout_s=round(rollout_s, 3), tokens=tokens, tokens_per_s=round(tokens / rollout_s, 1),
+                         core_wait=self.core_wait.measure())
             self._activity.tick(self.engine.in_flight)
             if overlap and not self.stop_event.is_set():  # batch on its way to the trainer: evaluate while it trains
                 self.evaluate(overlapped=True)
@@ -341,7 +343,8 @@ class Explorer:
                      batch_index=min(m["batch_index"] for m, _ in items), policy_version=self.engine.version,
                      version_min=min(first), version_max=max(last), swapped=sum(a != b for a, b in zip(first, last)),
                      reward_mean=round(sum(rewards) / len(rewards), 4), tokens=sum(m["n_tokens"] for m, _ in items),
-                     rollout_s=round(rollout_s, 3), in_flight=self.engine.in_flight)
+                     rollout_s=round(rollout_s, 3), in_flight=self.engine.in_flight,
+                     core_wait=self.core_wait.measure())
 
     @contextlib.contextmanager
     def swap_slot(self, version: int) -> Iterator[None]:
@@ -387,7 +390,7 @@ def run(cfg: RunConfig) -> None:
     engine = Engine(resolve_model(cfg.model.path, cfg.model.cache_dir), seed=cfg.rollout.seed,
                     memory_fraction=cfg.explorer.memory_fraction, kv_cache_mb=cfg.explorer.kv_cache_mb,
                     dtype=cfg.rollout.dtype, core=cfg.explorer.engine_core, swap_kv=cfg.explorer.swap_kv,
-                    tensor_parallel=cfg.explorer.tensor_parallel)
+                    tensor_parallel=cfg.explorer.tensor_parallel, threads=cfg.explorer.threads)
     with engine:
         engine.warm_up()
         explorer = Explorer(cfg, engine, held_out=held_out, reward_fn=reward_fn)

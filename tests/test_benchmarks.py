@@ -36,11 +36,13 @@ BENCHMARKS = {
     "modes": ["--model", "{tiny}"],
     "streaming": ["--model", "{tiny}"],
     "learning": ["--model", "{tiny}"],
+    "cores": ["--model", "{tiny}"],
 }
 SCRIPTS = {"weight_sync_link": "weight_sync"}  # a second smoke of one script (the rest: the script of that name)
 # Figures a smoke run must give (not null), so that a central figure cannot go missing unseen.
 FIGURES = {"weight_sync": ("network_ratio", "delta_bytes_share"),
            "weight_sync_link": ("network_ratio", "delta_bytes_share"), "trainer": ("tokens_per_s", "serving"),
+           "cores": ("rival_ratio", "rival_ratio_fewer", "fewer_ratio"),
            "broker_throughput": ("ratio_to_per_message", "large_ingest_ratio_to_disk",
                                  "large_store_alone_ratio_to_disk", "large_ingest_cpu_bound_ratio_to_disk",
                                  "large_window")}

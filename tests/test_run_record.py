@@ -213,10 +213,12 @@ def test_every_component_served_its_metrics_while_the_run_went_on(async_run):
     assert _value(trainer["rlbus_trainer_staleness"], "rlbus_trainer_staleness_count") > 0
     assert _value(trainer["rlbus_trainer_samples"], "rlbus_trainer_samples_total") > 0
     assert {"rlbus_trainer_loss", "rlbus_trainer_reward_mean", "rlbus_trainer_tokens_per_second"} <= trainer.keys()
+    assert 0 <= _value(trainer["rlbus_trainer_core_wait"], "rlbus_trainer_core_wait") <= 1
     for name in ("explorer-0", "explorer-1"):
         explorer = scraped[name]
         assert _value(explorer["rlbus_explorer_samples"], "rlbus_explorer_samples_total") > 0
         assert _value(explorer["rlbus_explorer_rollout_seconds"], "rlbus_explorer_rollout_seconds_count") > 0
+        assert 0 <= _value(explorer["rlbus_explorer_core_wait"], "rlbus_explorer_core_wait") <= 1
         assert _value(explorer["rlbus_explorer_weights_load_seconds"],
                       "rlbus_explorer_weights_load_seconds_count") > 0
 

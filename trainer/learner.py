@@ -21,6 +21,7 @@ import torch
 
 from rlbus.common import protocol as P
 from rlbus.common.config import RunConfig
+from rlbus.common.cores import CoreWait
 from rlbus.trainer import checkpoint, distributed
 from rlbus.trainer.algorithms import LossConfig, lr_factor, policy_loss
 from rlbus.trainer.batch import Batch, build_batch, decode_batch
@@ -52,6 +53,8 @@ class Learner:
         elif world and self.device.type == "cpu":  # the cores this process may use, shared among the host's ranks
             local = int(os.environ.get("LOCAL_WORLD_SIZE", world.size))
             torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local))
+        # logged with each step; on a GPU its CPU threads are not where the step's work is
+        self.core_wait = CoreWait("trainer.threads", torch.get_num_threads() if self.device.type == "cpu" else 1)
         if t.deterministic:
             # cuBLAS reads this when CUDA starts; without it deterministic algorithms refuse its GEMMs
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")

@@ -269,7 +269,7 @@ class Trainer(Learner):
             version_span=batch.version_span if have else [], swapped=batch.swapped if have else 0, tokens=tokens,
             tokens_per_s=round(tokens / compute_s, 1) if compute_s > 0 else 0.0,
             wait_s=round(wait_s, 3), compute_s=round(compute_s, 3), publish_s=round(publish_s, 3),
-            step_s=round(total_s, 3), published=published)
+            step_s=round(total_s, 3), published=published, core_wait=self.core_wait.measure())
 
     # ---- the process ------------------------------------------------------
 

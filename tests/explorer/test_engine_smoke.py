@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from rlbus.explorer.engine import inline_core
+from rlbus.explorer.engine import Engine, inline_core
 from tests.conftest import TINY_KV_MB
 
 
@@ -21,6 +21,8 @@ def test_engine_core_placement_is_checked():
     assert inline_core("inline") is True and inline_core("process") is False
     with pytest.raises(ValueError, match="auto, inline or process"):
         inline_core("threads")
+    with pytest.raises(ValueError, match="explorer.threads sets the threads of an engine core inline"):
+        Engine("no-model-is-loaded", core="process", threads=1)
 
 
 def test_the_kv_cache_has_the_size_asked_for_whatever_the_host_memory(engine):

@@ -103,7 +103,9 @@ def test_sigterm_finishes_the_batch_puts_it_and_says_bye(broker_factory, clients
     b = broker_factory("sync.sync_style=async", "sync.max_staleness=100", "rollout.repeat=4", "data.batch_tasks=2",
                        "rollout.max_tokens=200", "broker.liveness=25")
     tool = clients(b, "tool", "watch")
-    proc = _start_explorer(b, "polite", tmp_path, f"model.path={tiny_model}")
+    inline = inline_core("auto")
+    one_thread = ["explorer.threads=1"] if inline else []  # a core in a process of its own takes no such setting
+    proc = _start_explorer(b, "polite", tmp_path, f"model.path={tiny_model}", *one_thread)
     try:
         held = _wait_for_lease(tool, proc, "polite", tmp_path)
         os.kill(proc.pid, signal.SIGTERM)
@@ -117,7 +119,11 @@ def test_sigterm_finishes_the_batch_puts_it_and_says_bye(broker_factory, clients
         own = _events(tmp_path, "polite")
         assert events and events[0]["reason"] == "bye", (events, own[-8:])
         started = next(e for e in own if e["event"] == "engine_started")
-        assert started["core"] == ("inline" if inline_core("auto") else "process")
+        assert started["core"] == ("inline" if inline else "process")
+        if inline:  # explorer.threads (the default: one per core)
+            assert started["threads"] == 1
+        batches = [e for e in own if e["event"] == "explorer_batch"]
+        assert batches and all(0 <= e["core_wait"] <= 1 for e in batches)
         frozen = next(e for e in own if e["event"] == "heap_frozen")  # before it joined: no collector stalls
         assert frozen["objects"] > 100_000 and frozen["ts"] < next(e["ts"] for e in own
                                                                     if e["event"] == "explorer_connected")
