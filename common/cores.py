@@ -28,7 +28,7 @@ import structlog
 
 log = structlog.get_logger()
 
-WARN_SHARE = 0.25  # the default job, quiet: 0.02-0.08 (trainer), 0.04-0.11 (explorer); beside a busy process: 0.4-0.5
+WARN_SHARE = 0.25  # the default job, quiet: 0.02-0.08 (trainer), 0.04-0.11 (explorer); beside a busy process: 0.44-0.56
 TASKS = Path("/proc/self/task")
 
 

@@ -239,7 +239,7 @@ class Explorer:
             leases = reply.header["tasks"]
             started = time.monotonic()
             groups = roll_out(self.engine, leases, leased_at=started, **self._settings())
-            rollout_s = time.monotonic() - started
+            rollout_s, core_wait = time.monotonic() - started, self.core_wait.measure()  # before the PUT (as below)
             pending = _unacknowledged(pending) + [self._put(groups)]
             self.batches += 1
             items = [t for g in groups for t in g]
@@ -249,7 +249,7 @@ class Explorer:
                          samples=len(items), policy_version=self.engine.version,
                          reward_mean=round(sum(rewards) / len(rewards), 4),
                          rollout_s=round(rollout_s, 3), tokens=tokens, tokens_per_s=round(tokens / rollout_s, 1),
-                         core_wait=self.core_wait.measure())
+                         core_wait=core_wait)
             self._activity.tick(self.engine.in_flight)
             if overlap and not self.stop_event.is_set():  # batch on its way to the trainer: evaluate while it trains
                 self.evaluate(overlapped=True)
@@ -324,9 +324,10 @@ class Explorer:
                     bound = self.engine.version
                     bind(policy_version=bound)
                 if groups:
+                    core_wait = self.core_wait.measure()  # before the PUT: the line's time marks the rollout's end
                     pending = _unacknowledged(pending) + [self._put(groups)]
                     answered += len(groups)
-                    self._emit_groups(groups, max(rollouts.generate_s))
+                    self._emit_groups(groups, max(rollouts.generate_s), core_wait)
                 self._activity.tick(self.engine.in_flight)
         finally:
             if loader is not None:
@@ -334,7 +335,7 @@ class Explorer:
         log.info("stream_drained", groups=answered, leases=self.batches)
         return pending
 
-    def _emit_groups(self, groups: list[list[tuple[dict, bytes]]], rollout_s: float) -> None:
+    def _emit_groups(self, groups: list[list[tuple[dict, bytes]]], rollout_s: float, core_wait: float | None) -> None:
         items = [t for g in groups for t in g]
         rewards = [m["reward"] for m, _ in items]
         first = [m["policy_version"] for m, _ in items]
@@ -343,8 +344,7 @@ class Explorer:
                      batch_index=min(m["batch_index"] for m, _ in items), policy_version=self.engine.version,
                      version_min=min(first), version_max=max(last), swapped=sum(a != b for a, b in zip(first, last)),
                      reward_mean=round(sum(rewards) / len(rewards), 4), tokens=sum(m["n_tokens"] for m, _ in items),
-                     rollout_s=round(rollout_s, 3), in_flight=self.engine.in_flight,
-                     core_wait=self.core_wait.measure())
+                     rollout_s=round(rollout_s, 3), in_flight=self.engine.in_flight, core_wait=core_wait)
 
     @contextlib.contextmanager
     def swap_slot(self, version: int) -> Iterator[None]:

@@ -129,7 +129,8 @@ class Trainer(Learner):
                 reply.command, reply.header, reply.payloads)]))
         compute_started = time.monotonic()
         batch, metrics = self.train_reply(reply)
-        compute_s = time.monotonic() - compute_started
+        # read here, not at the step's line, whose time marks the step's end (rlbus trace): a read takes ~1 ms
+        compute_s, core_wait = time.monotonic() - compute_started, self.core_wait.measure()
         publish_started = time.monotonic()
         if published:
             self._publish_async(self.version, self.step)
@@ -139,7 +140,7 @@ class Trainer(Learner):
             self._request(P.COMMIT, {"step": self.step})
         publish_s = time.monotonic() - publish_started
         total_s = time.monotonic() - step_started
-        self._log_step(reply, batch, metrics, wait_s, compute_s, publish_s, total_s, published)
+        self._log_step(reply, batch, metrics, wait_s, compute_s, publish_s, total_s, published, core_wait)
         self.step += 1
         self.client.policy_version = self.version  # the weights it holds, as its HEARTBEATs (and STATUS) say
         bind(step=self.step, policy_version=self.version)
@@ -247,7 +248,7 @@ class Trainer(Learner):
         bind(step=self.step, policy_version=self.version)
         return True
 
-    def _log_step(self, reply, batch, metrics, wait_s, compute_s, publish_s, total_s, published) -> None:
+    def _log_step(self, reply, batch, metrics, wait_s, compute_s, publish_s, total_s, published, core_wait) -> None:
         rewards = batch.rewards if batch is not None else torch.empty(0)
         staleness = Counter(self.step - v for v in (batch.versions if batch is not None else []))
         adv = batch.advantages if batch is not None and batch.size else torch.zeros(1)
@@ -269,7 +270,7 @@ class Trainer(Learner):
             version_span=batch.version_span if have else [], swapped=batch.swapped if have else 0, tokens=tokens,
             tokens_per_s=round(tokens / compute_s, 1) if compute_s > 0 else 0.0,
             wait_s=round(wait_s, 3), compute_s=round(compute_s, 3), publish_s=round(publish_s, 3),
-            step_s=round(total_s, 3), published=published, core_wait=self.core_wait.measure())
+            step_s=round(total_s, 3), published=published, core_wait=core_wait)
 
     # ---- the process ------------------------------------------------------
 
