@@ -120,7 +120,7 @@ def test_sigterm_finishes_the_batch_puts_it_and_says_bye(broker_factory, clients
         assert events and events[0]["reason"] == "bye", (events, own[-8:])
         started = next(e for e in own if e["event"] == "engine_started")
         assert started["core"] == ("inline" if inline else "process")
-        if inline:  # explorer.threads (the default: one per core)
+        if inline:  # as explorer.threads says (left at 0: one per core)
             assert started["threads"] == 1
         batches = [e for e in own if e["event"] == "explorer_batch"]
         assert batches and all(0 <= e["core_wait"] <= 1 for e in batches)
