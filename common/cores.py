@@ -15,8 +15,8 @@ as long as on a quiet host (README, "Sharing the cores").
 call that they spent waiting for a core; explorers and the trainer log it
 with each batch and step (`core_wait`) and, where that work runs on more than
 one thread, say once in a warning what to do when it is over `WARN_SHARE`
-twice in a row (once can be a start: in `rlbus up` the explorer's first batch
-runs while the trainer loads its model).
+twice in a row (once can be a start, where in `rlbus up` the explorer's first
+batch runs while the trainer loads its model, or the trainer's checkpoint).
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ import structlog
 
 log = structlog.get_logger()
 
-WARN_SHARE = 0.25  # the default job, quiet: 0.02-0.08 (trainer), 0.04-0.11 (explorer); beside a busy process: 0.44-0.56
+# The default job, quiet: medians 0.03 (trainer) and 0.10 (explorer), up to 0.51 at a checkpoint; beside yes: 0.50-0.56
+WARN_SHARE = 0.25
 TASKS = Path("/proc/self/task")
 
 
