@@ -9,7 +9,7 @@ parts and wait for the last: a part on a core that another process also wants
 runs at a fraction of the core's speed, and every operation waits for it. On
 a 2-core host beside one busy process, the default job's decode step took 19
 times as long with 2 threads and its training step 12 times; with 1 thread,
-as long as on a quiet host (README, "Sharing the cores").
+as long as with 1 thread on a quiet host (README, "Sharing the cores").
 
 `CoreWait.share()` is the share of its threads' runnable time since the last
 call that they spent waiting for a core; explorers and the trainer log it
