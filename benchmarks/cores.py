@@ -72,10 +72,8 @@ def measure(model: str, threads: int, rival: bool, steps: int, sequences: int) -
             if spinner is not None:
                 spinner.kill()
                 spinner.wait()
-    import torch
-
     return {"decode_step_ms": round(statistics.median(times) * 1e3, 2), "core_wait": round(share or 0.0, 3),
-            "threads": torch.get_num_threads(), "steps": len(times)}
+            "threads": engine.threads, "steps": len(times)}
 
 
 def main() -> None:
