@@ -2,13 +2,13 @@
 
 An explorer's engine (vLLM, its core inline) computes on one OpenMP thread per
 core it may use, and those threads wait for each other at every operation.
-For each case a child process starts the default job's engine, times
-`--steps` decode steps of one request of `--sequences` samples (prefill left
-out), and reads how long the process's threads waited for a core meanwhile
-(`core_wait`, rlbus.common.cores, as explorers log it). The cases: quiet, and
-beside a rival (a process spinning on whichever core Linux gives it, from the
-first timed step to the last), each with the engine's default threads and
-with `--threads` (explorer.threads).
+For each thread count (the engine's default, and `--threads`: explorer.threads)
+a child process starts the default job's engine and, quiet and then beside a
+rival (a process spinning on whichever core Linux gives it, from the first
+timed step to the last), times `--steps` decode steps of one request of
+`--sequences` samples (prefill left out) and reads how long the process's
+threads waited for a core meanwhile (`core_wait`, rlbus.common.cores, as
+explorers log it).
 
     python benchmarks/cores.py [--steps N] [--sequences S] [--threads T]
 
@@ -35,13 +35,13 @@ sys.path.insert(0, str(REPO))
 from benchmarks.harness import at_least  # noqa: E402
 from rlbus.common.processes import terminate_with  # noqa: E402
 
-CASES = (("quiet", 0), ("rival", 0), ("rival", None), ("quiet", None))  # None: --threads
+PLACES = ("quiet", "rival")
 
 
-def measure(model: str, threads: int, rival: bool, steps: int, sequences: int) -> dict:
-    """In this process: the engine's median decode step (ms) and its threads' core_wait over the timed steps."""
+def measure(model: str, threads: int, steps: int, sequences: int) -> dict:
+    """In this process, on one engine, quiet and beside a rival: the median decode step (ms) and the threads'
+    core_wait over the timed steps."""
     from rlbus.common.config import load_config
-    from rlbus.common.cores import CoreWait
     from rlbus.common.logging import setup_logging
     from rlbus.explorer.engine import Engine
     from rlbus.weights.models import resolve_model, with_rollout_dtype
@@ -52,28 +52,36 @@ def measure(model: str, threads: int, rival: bool, steps: int, sequences: int) -
                 core="inline", threads=threads) as engine:
         engine.warm_up()
         prompt = engine.chat_prompt([{"role": "user", "content": "Write a long story about a cat."}])
-        spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"],
-                                   preexec_fn=partial(terminate_with, os.getpid())) if rival else None
-        try:
-            time.sleep(0.2 if rival else 0)  # the rival spinning
-            waits = CoreWait("explorer.threads", engine.threads)
-            times: list[float] = []
-            while len(times) < steps:
-                engine.submit(f"timed-{len(times)}", prompt, n=sequences, max_tokens=min(steps - len(times), 64) + 1)
-                first = True
-                while engine.in_flight:
-                    started = time.perf_counter()
-                    engine.step()
-                    if not first:  # the request's prefill left out
-                        times.append(time.perf_counter() - started)
-                    first = False
-            share = waits.share()
-        finally:
-            if spinner is not None:
-                spinner.kill()
-                spinner.wait()
+        return {place: {**timed(engine, prompt, place == "rival", steps, sequences), "threads": engine.threads}
+                for place in PLACES}
+
+
+def timed(engine, prompt: str, rival: bool, steps: int, sequences: int) -> dict:
+    from rlbus.common.cores import CoreWait
+
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"],
+                               preexec_fn=partial(terminate_with, os.getpid())) if rival else None
+    try:
+        time.sleep(0.2 if rival else 0)  # the rival spinning
+        waits = CoreWait("explorer.threads", engine.threads)
+        times: list[float] = []
+        while len(times) < steps:
+            engine.submit(f"timed-{rival}-{len(times)}", prompt, n=sequences,
+                          max_tokens=min(steps - len(times), 64) + 1)
+            first = True
+            while engine.in_flight:
+                started = time.perf_counter()
+                engine.step()
+                if not first:  # the request's prefill left out
+                    times.append(time.perf_counter() - started)
+                first = False
+        share = waits.share()
+    finally:
+        if spinner is not None:
+            spinner.kill()
+            spinner.wait()
     return {"decode_step_ms": round(statistics.median(times) * 1e3, 2), "core_wait": round(share or 0.0, 3),
-            "threads": engine.threads, "steps": len(times)}
+            "steps": len(times)}
 
 
 def main() -> None:
@@ -83,28 +91,25 @@ def main() -> None:
     ap.add_argument("--threads", type=at_least(1), default=1, help="the fewer threads tried (explorer.threads)")
     ap.add_argument("--model", default="smollm2-135m", help="bundled model name or a model directory")
     ap.add_argument("--smoke", action="store_true", help="4 steps a case: checks that it runs")
-    ap.add_argument("--child", nargs=2, metavar=("RIVAL", "THREADS"), help=argparse.SUPPRESS)
+    ap.add_argument("--child", metavar="THREADS", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.smoke:
         args.steps = 4
     if args.child:
-        print(json.dumps(measure(args.model, int(args.child[1]), args.child[0] == "rival", args.steps,
-                                 args.sequences)))
+        print(json.dumps(measure(args.model, int(args.child), args.steps, args.sequences)))
         return
 
     results = {}
-    for place, threads in CASES:
-        threads = args.threads if threads is None else threads
-        name = f"{place}_{threads or 'default'}"
-        done = subprocess.run([sys.executable, __file__, "--child", place, str(threads), "--model", args.model,
+    for threads in (0, args.threads):
+        done = subprocess.run([sys.executable, __file__, "--child", str(threads), "--model", args.model,
                                "--steps", str(args.steps), "--sequences", str(args.sequences)],
                               capture_output=True, text=True, timeout=900)
         if done.returncode:
-            sys.exit(f"the {name} case failed: {done.stderr[-3000:]}")
-        results[name] = json.loads(done.stdout.splitlines()[-1])
-        r = results[name]
-        print(f"{place:5} threads {r['threads']}: decode step {r['decode_step_ms']} ms, core_wait {r['core_wait']}",
-              flush=True)
+            sys.exit(f"the cases with threads {threads or 'default'} failed: {done.stderr[-3000:]}")
+        for place, r in json.loads(done.stdout.splitlines()[-1]).items():
+            results[f"{place}_{threads or 'default'}"] = r
+            print(f"{place:5} threads {r['threads']}: decode step {r['decode_step_ms']} ms, "
+                  f"core_wait {r['core_wait']}", flush=True)
     ms = {name: r["decode_step_ms"] for name, r in results.items()}
     fewer = args.threads
     figures = {"rival_ratio": round(ms["rival_default"] / ms["quiet_default"], 2),
