@@ -51,7 +51,7 @@ from rlbus.common import cores, metrics, protocol as P, telemetry
 from rlbus.common.client import BrokerClient, BrokerError, BrokerUnreachable, default_name
 from rlbus.common.config import RunConfig
 from rlbus.common.logging import bind
-from rlbus.common.processes import freeze_heap, on_stop_signals
+from rlbus.common.processes import freeze_heap, on_stop_signals, refreeze_heap
 from rlbus.common.tasksets import Taskset, make_taskset
 from rlbus.explorer.activity import Activity
 from rlbus.explorer.envs import make_env
@@ -62,7 +62,6 @@ from rlbus.weights.models import with_rollout_dtype
 from rlbus.weights.sync import Receiver
 
 log = structlog.get_logger()
-
 
 
 class Explorer:
@@ -398,3 +397,4 @@ def run(cfg: RunConfig) -> None:
         on_stop_signals(explorer.stop)
         with telemetry.start(cfg, "explorer", explorer.name):
             explorer.run()
+    refreeze_heap()  # the engine's shutdown unfroze it: the interpreter's teardown need not walk it
