@@ -26,6 +26,12 @@ from rlbus.common.processes import freeze_heap
 from rlbus.logview import events
 
 REPO = Path(__file__).resolve().parent.parent
+# One OpenMP thread in each process that computes (torch, vLLM's CPU engine), unless the caller says otherwise:
+# the suite runs two workers on two cores, each starting trainers and engines, and a process computing on one
+# thread per core waits at every operation for its thread on the core another process holds (README, "Sharing
+# the cores"). Two runs of a mode preset side by side took 63.5 s each with the default threads, 41.2 s with
+# one. Tests of the thread settings set them.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # The KV cache every CPU engine on the tiny model gets (explorer.kv_cache_mb): 65,536 tokens, whatever the
 # host's memory.
 TINY_KV_MB = 64

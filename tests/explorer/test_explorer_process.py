@@ -105,7 +105,8 @@ def test_sigterm_finishes_the_batch_puts_it_and_says_bye(broker_factory, clients
     tool = clients(b, "tool", "watch")
     inline = inline_core("auto")
     one_thread = ["explorer.threads=1"] if inline else []  # a core in a process of its own takes no such setting
-    proc = _start_explorer(b, "polite", tmp_path, f"model.path={tiny_model}", *one_thread)
+    # The setting, not the suite's OMP_NUM_THREADS (tests/conftest.py), gives the engine its threads.
+    proc = _start_explorer(b, "polite", tmp_path, f"model.path={tiny_model}", *one_thread, env={"OMP_NUM_THREADS": "2"})
     try:
         held = _wait_for_lease(tool, proc, "polite", tmp_path)
         os.kill(proc.pid, signal.SIGTERM)
@@ -120,7 +121,7 @@ def test_sigterm_finishes_the_batch_puts_it_and_says_bye(broker_factory, clients
         assert events and events[0]["reason"] == "bye", (events, own[-8:])
         started = next(e for e in own if e["event"] == "engine_started")
         assert started["core"] == ("inline" if inline else "process")
-        if inline:  # as explorer.threads says (left at 0: one per core)
+        if inline:  # as explorer.threads says (left at 0: torch's, here 2)
             assert started["threads"] == 1
         batches = [e for e in own if e["event"] == "explorer_batch"]
         assert batches and all(0 <= e["core_wait"] <= 1 for e in batches)
