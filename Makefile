@@ -13,7 +13,8 @@ CONFIG ?= configs/arith.yaml
 TORCH_VERSION := 2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 # `make test` runs the test files on this many pytest-xdist workers, slow files first (tests/conftest.py). Most
-# tests start processes that wait on each other; two workers keep two cores busy.
+# tests start processes that wait on each other; two workers keep two cores busy, and every process that
+# computes runs one OpenMP thread unless OMP_NUM_THREADS says otherwise (tests/conftest.py).
 TEST_WORKERS ?= 2
 
 .PHONY: run test bench model clean-venv
