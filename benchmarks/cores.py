@@ -56,7 +56,7 @@ def measure(model: str, threads: int, steps: int, sequences: int) -> dict:
                 for place in PLACES}
 
 
-def timed(engine, prompt: str, rival: bool, steps: int, sequences: int) -> dict:
+def timed(engine, prompt: list[int], rival: bool, steps: int, sequences: int) -> dict:
     from rlbus.common.cores import CoreWait
 
     spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"],
