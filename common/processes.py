@@ -53,10 +53,18 @@ def on_stop_signals(stop: Callable[[], None]) -> None:
     Python runs a signal's handler in the main thread between two bytecodes, wherever that thread is: inside
     `threading.Event.wait`, it holds the event's lock, and a handler that sets the same event waits for that
     lock for ever. So the handler only writes a byte to a pipe (a system call, no lock), and a thread that
-    reads the pipe calls `stop()`: once per signal, so `stop` must not mind being called again.
+    reads the pipe calls `stop()`: once per byte, so `stop` must not mind being called again.
+
+    The kernel may deliver the signal to any of the process's threads, and then the handler waits for the main
+    thread's next bytecode: never, while that thread blocks in a C call such as a ZeroMQ poll (the broker's
+    waits up to half a heartbeat interval). The pipe is also the interpreter's wakeup fd, which its C-level
+    handler writes to at once, on whichever thread the signal came; the handler's own byte stays for a library
+    that takes the wakeup fd for itself.
     """
     readable, writable = os.pipe()
     os.set_blocking(writable, False)  # a flood of signals fills the pipe: the bytes beyond say nothing new
+    signal.set_wakeup_fd(writable, warn_on_full_buffer=False)
+    os.register_at_fork(after_in_child=_forget_wakeup_fd)
 
     def relay() -> None:
         while os.read(readable, 1):
@@ -73,6 +81,42 @@ def on_stop_signals(stop: Callable[[], None]) -> None:
 
     for sig in STOP_SIGNALS:
         signal.signal(sig, handler)
+
+
+def _forget_wakeup_fd() -> None:
+    """A child forked without exec (multiprocessing's fork) has the pipe too: its own signals must not stop the
+    parent through it."""
+    try:
+        signal.set_wakeup_fd(-1)
+    except ValueError:  # not its main thread: nothing this hook can do
+        pass
+
+
+class Waker:
+    """A pipe that a loop polls beside its sockets (`fileno`), so that `wake` from another thread (a stop
+    signal's) ends its poll at once rather than at the poll's timeout. Once woken it stays readable: for a loop's
+    end. `wake` after `close` does nothing (the descriptors may be another file's by then)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.fileno, self._writable = os.pipe()
+        os.set_blocking(self._writable, False)
+        self._open = True
+
+    def wake(self) -> None:
+        with self._lock:
+            if self._open:
+                try:
+                    os.write(self._writable, b"\0")
+                except BlockingIOError:  # full: readable already
+                    pass
+
+    def close(self) -> None:
+        with self._lock:
+            if self._open:
+                self._open = False
+                os.close(self.fileno)
+                os.close(self._writable)
 
 
 def freeze_heap() -> None:
@@ -93,8 +137,9 @@ def freeze_heap() -> None:
 
 def refreeze_heap() -> None:
     """Call as a process ends, after a library has unfrozen its heap (vLLM's engine shutdown unfreezes the whole
-    heap, not only what vLLM froze). The interpreter's teardown runs several full collections; frozen, the heap
-    is left out of them: an explorer's exit after its engine closed took about 3 s, and takes 0.3 s so."""
+    heap, not only what vLLM froze) or where it grew since `freeze_heap` (the broker's index). The interpreter's
+    teardown runs several full collections; frozen, the heap is left out of them: an explorer's exit after its
+    engine closed took about 3 s, and takes 0.3 s so."""
     gc.freeze()
     structlog.get_logger().info("heap_frozen", objects=gc.get_freeze_count(), ending=True)
 

@@ -43,6 +43,43 @@ def test_a_stop_signal_arriving_inside_event_wait_stops_the_process_instead_of_d
     assert proc.returncode == 0 and out.strip() == "stopped", err
 
 
+# The signal goes to a thread other than the main one, which blocks in a C call (a select here; the broker's
+# ZeroMQ poll in the broker) that the signal does not interrupt.
+ON_ANOTHER_THREAD = """
+import os, select, signal, threading, time
+from rlbus.common.processes import on_stop_signals
+
+readable, writable = os.pipe()
+on_stop_signals(lambda: os.write(writable, b"x"))
+other = threading.Thread(target=time.sleep, args=(60,), daemon=True)
+other.start()
+threading.Timer(0.2, signal.pthread_kill, (other.ident, signal.SIGTERM)).start()
+woken, _, _ = select.select([readable], [], [], 30)
+print("stopped" if woken else "timed out", flush=True)
+"""
+
+
+def test_a_stop_signal_that_lands_on_another_thread_stops_a_main_thread_blocked_in_a_c_call():
+    """The kernel gives a process's signal to any of its threads; Python runs the handler in the main thread at its
+    next bytecode, which a thread blocked in a poll does not reach until the poll times out."""
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(ON_ANOTHER_THREAD)], cwd=REPO, capture_output=True,
+                         text=True, timeout=60)
+    assert out.stdout.strip() == "stopped", out.stderr
+
+
+def test_a_child_forked_after_the_stop_signals_were_set_up_cannot_stop_its_parent_through_their_pipe():
+    script = textwrap.dedent("""
+        import os, signal
+        from rlbus.common.processes import on_stop_signals
+        on_stop_signals(lambda: None)
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0 if signal.set_wakeup_fd(-1) == -1 else 1)  # the wakeup fd it had: none
+        print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "0", out.stderr
+
 def test_a_frozen_heap_is_left_out_of_collections():
     made_before = [[i] for i in range(1000)]
     freeze_heap()
@@ -74,3 +111,34 @@ def test_a_lock_is_held_by_one_process_and_goes_with_it(tmp_path):
     mine = hold_lock(path)  # SIGKILL let it go
     assert path.read_text() == f"{os.getpid()}\n"
     mine.close()
+
+
+
+def test_a_waker_ends_a_poll_at_once_and_writes_nothing_once_closed():
+    """What lets a stop signal end the broker's loop at once, not at its poll's next timeout."""
+    import select
+    import threading
+
+    import pytest
+
+    from rlbus.common.processes import Waker
+
+    waker = Waker()
+    poll = select.poll()
+    poll.register(waker.fileno, select.POLLIN)
+    assert poll.poll(0) == []
+    threading.Timer(0.05, waker.wake).start()
+    assert poll.poll(60_000) == [(waker.fileno, select.POLLIN)]  # woken, not timed out
+    for _ in range(100_000):  # a flood of wakes (a signal storm) never blocks: the pipe full is readable enough
+        waker.wake()
+    waker.close()
+    readable, writable = os.pipe()  # Linux hands out the lowest free descriptors: the waker's, just closed
+    try:
+        os.set_blocking(readable, False)
+        waker.wake()  # a late stop signal
+        waker.close()
+        with pytest.raises(BlockingIOError):  # empty: nothing went into the file that now has its number
+            os.read(readable, 16)
+    finally:
+        os.close(readable)
+        os.close(writable)
