@@ -20,7 +20,7 @@ from rlbus.broker.endpoints import BindError, InUse, hold
 from rlbus.broker.metrics import serve_metrics
 from rlbus.broker.server import Broker
 from rlbus.common.config import RunConfig
-from rlbus.common.processes import freeze_heap, on_stop_signals
+from rlbus.common.processes import freeze_heap, on_stop_signals, refreeze_heap
 
 log = structlog.get_logger()
 
@@ -49,3 +49,4 @@ def run(cfg: RunConfig) -> None:
     serve_metrics(broker)
     on_stop_signals(broker.stop)
     broker.serve()
+    refreeze_heap()  # the index grown since start-up: the interpreter's teardown need not walk it

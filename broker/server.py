@@ -33,6 +33,7 @@ from rlbus.broker.swaps import SwapSlots
 from rlbus.broker.tasks import TaskQueue, refusal
 from rlbus.common import protocol as P
 from rlbus.common.config import RunConfig
+from rlbus.common.processes import Waker
 from rlbus.common.tasksets import make_taskset
 
 log = structlog.get_logger()
@@ -85,8 +86,8 @@ class Broker:
             P.EVAL: (lambda p, m: self.rewards.submit(p.identity, m), anyone),
             P.RESULT: (self.rewards.result, ("reward",)),
         }
-        self._last_tick = 0.0
-        self._running = True
+        self._last_tick, self._running = 0.0, True
+        self._waker = Waker()  # `stop` ends the loop's poll at once: a stop signal is not kept waiting for it
 
     # ---- loop -------------------------------------------------------------
 
@@ -98,6 +99,7 @@ class Broker:
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
         poller.register(self.buffer.writer.done, zmq.POLLIN)
+        poller.register(self._waker.fileno, zmq.POLLIN)
         end = None if stop_after is None else time.monotonic() + stop_after
         self.peers.turn(time.time(), self.hb)  # the listening clock starts: a stall before the first tick counts
         # Holders of leases granted before a restart have two liveness windows of listening to say HELLO.
@@ -113,13 +115,11 @@ class Broker:
 
     def stop(self) -> None:
         self._running = False
+        self._waker.wake()
 
     def _poll_timeout_ms(self) -> int:
-        timeout = self.hb / 2
         held = self.buffer.next_deadline()
-        if held is not None:
-            timeout = min(timeout, max(0.0, held - time.time()))
-        return int(timeout * 1000)
+        return int(1000 * (self.hb / 2 if held is None else min(self.hb / 2, max(0.0, held - time.time()))))
 
     def _drain(self) -> None:
         puts: list[tuple[bytes, P.Message]] = []
@@ -397,3 +397,4 @@ class Broker:
         self.buffer.close()
         self.sockets.close()
         self.store.close()
+        self._waker.close()
