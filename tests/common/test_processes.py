@@ -1,14 +1,19 @@
-"""What every rlbus process does as a process: stop signals, the heap it starts with."""
+"""What every rlbus process does as a process: stop signals (and the broker's loop they wake), the heap it
+starts and ends with, its lock."""
 
 from __future__ import annotations
 
 import gc
 import os
+import select
 import subprocess
 import sys
 import textwrap
+import threading
 
-from rlbus.common.processes import freeze_heap
+import pytest
+
+from rlbus.common.processes import Waker, freeze_heap
 from tests.conftest import REPO
 
 # The main thread holds an Event's lock inside Event.wait for a few bytecodes at a time; a signal that arrives
@@ -43,8 +48,8 @@ def test_a_stop_signal_arriving_inside_event_wait_stops_the_process_instead_of_d
     assert proc.returncode == 0 and out.strip() == "stopped", err
 
 
-# The signal goes to a thread other than the main one, which blocks in a C call (a select here; the broker's
-# ZeroMQ poll in the broker) that the signal does not interrupt.
+# The signal goes to a thread other than the main one, which blocks in a C call that the signal does not
+# interrupt (a select here, a ZeroMQ poll in the broker).
 ON_ANOTHER_THREAD = """
 import os, select, signal, threading, time
 from rlbus.common.processes import on_stop_signals
@@ -68,6 +73,8 @@ def test_a_stop_signal_that_lands_on_another_thread_stops_a_main_thread_blocked_
 
 
 def test_a_child_forked_after_the_stop_signals_were_set_up_cannot_stop_its_parent_through_their_pipe():
+    """A child forked without exec keeps its parent's descriptors: with the parent's wakeup fd, a signal to the
+    child would write into the parent's relay pipe and stop the parent."""
     script = textwrap.dedent("""
         import os, signal
         from rlbus.common.processes import on_stop_signals
@@ -79,6 +86,7 @@ def test_a_child_forked_after_the_stop_signals_were_set_up_cannot_stop_its_paren
     """)
     out = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "0", out.stderr
+
 
 def test_a_frozen_heap_is_left_out_of_collections():
     made_before = [[i] for i in range(1000)]
@@ -92,8 +100,6 @@ def test_a_frozen_heap_is_left_out_of_collections():
 
 def test_a_lock_is_held_by_one_process_and_goes_with_it(tmp_path):
     """What keeps a second broker off a buffer directory, and a second `rlbus up` off a run directory."""
-    import pytest
-
     from rlbus.common.processes import Held, hold_lock
 
     path = tmp_path / "x.lock"
@@ -113,16 +119,8 @@ def test_a_lock_is_held_by_one_process_and_goes_with_it(tmp_path):
     mine.close()
 
 
-
 def test_a_waker_ends_a_poll_at_once_and_writes_nothing_once_closed():
     """What lets a stop signal end the broker's loop at once, not at its poll's next timeout."""
-    import select
-    import threading
-
-    import pytest
-
-    from rlbus.common.processes import Waker
-
     waker = Waker()
     poll = select.poll()
     poll.register(waker.fileno, select.POLLIN)
