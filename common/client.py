@@ -108,6 +108,8 @@ class BrokerClient(Connection):
         self._bye_sent = threading.Event()
         self._stop = threading.Event()
         self._stopping = False
+        self._waits: dict[Future, str] = {}  # requests a caller of `request` waits on, and their commands
+        self._give_up: frozenset[str] = frozenset()  # commands whose waits `stopping` ended
         self._wake_addr = f"inproc://rlbus-client-{id(self)}"
         self._wake_rx = self.ctx.socket(zmq.PAIR)
         self._wake_rx.bind(self._wake_addr)
@@ -149,21 +151,35 @@ class BrokerClient(Connection):
             self._wake_tx.send(b"", zmq.NOBLOCK)
         return request.future
 
-    def stopping(self) -> None:
+    def stopping(self, give_up: tuple[str, ...] = ()) -> None:
         """The peer is stopping. From now on a broker that goes silent (past `liveness` heartbeats) fails
         every request that waits with BrokerUnreachable and stops the client, instead of being reconnected
-        to for as long as it takes: a stopping peer whose broker has gone (the whole run is stopping) exits."""
+        to for as long as it takes: a stopping peer whose broker has gone (the whole run is stopping) exits.
+
+        `request`s of the commands in `give_up`, waiting now or made later, end at once with CancelledError: a
+        FETCH that the broker holds until data comes (up to its `wait_ms`) is not waited out. A reply that comes
+        after is dropped; the broker delivers the same batch again to the next FETCH of that step."""
+        self._give_up = self._give_up | frozenset(give_up)
         self._stopping = True
+        for future, command in list(self._waits.items()):
+            if command in self._give_up:
+                future.cancel()
 
     def request(self, command: str, header: dict[str, Any] | None = None, payloads: list[bytes] | None = None,
                 timeout: float | None = 30.0) -> P.Message:
-        """Send a request and wait for its reply; raises BrokerError on ERROR, TimeoutError on timeout."""
+        """Send a request and wait for its reply; raises BrokerError on ERROR, TimeoutError on timeout,
+        CancelledError once `stopping` gave up its command."""
         future = self.submit(command, header, payloads)
+        self._waits[future] = command
+        if command in self._give_up:  # `stopping` came between the two lines above
+            future.cancel()
         try:
             return future.result(timeout)
         except TimeoutError:
             future.cancel()
             raise TimeoutError(f"{command}: no reply from the broker within {timeout} s") from None
+        finally:
+            del self._waits[future]
 
     def send(self, command: str, header: dict[str, Any]) -> None:
         """Send a message that gets no reply (a reward worker's RESULT); sent once connected."""

@@ -33,7 +33,7 @@ import math
 import signal
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import CancelledError, ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 
@@ -87,7 +87,7 @@ class Trainer(Learner):
     def stop(self) -> None:
         self._stop = True
         if self.client is not None:
-            self.client.stopping()  # a broker that is gone too is not waited for
+            self.client.stopping(give_up=(P.FETCH,))  # a broker gone too, or one holding a FETCH, is not waited for
 
     # ---- one step ---------------------------------------------------------
 
@@ -101,7 +101,10 @@ class Trainer(Learner):
             header["min_groups"] = c.data.batch_tasks if a.fill_batch else 1
         started = time.monotonic()
         while not self._stop:
-            reply = self._request(P.FETCH, header, timeout=c.trainer.fetch_wait_s + c.trainer.broker_timeout_s)
+            try:
+                reply = self._request(P.FETCH, header, timeout=c.trainer.fetch_wait_s + c.trainer.broker_timeout_s)
+            except CancelledError:  # stopped while the broker held it for data
+                break
             if reply.command == P.BATCH:
                 return reply, time.monotonic() - started
             self._tell(Plan("wait"))

@@ -356,3 +356,36 @@ def test_a_hello_refused_until_starts_time_runs_out_is_that_refusal_not_a_timeou
     finally:
         client.close(bye=False, timeout=1)
         broker.sock.close(0)
+
+
+def test_stopping_gives_up_a_fetch_the_broker_holds_and_loses_nothing(broker, clients):
+    """A trainer told to stop while the broker holds its FETCH for data (up to `wait_ms`) ends the wait at once;
+    the next trainer's FETCH of that step gets the batch."""
+    from concurrent.futures import CancelledError
+
+    trainer = clients(broker, "trainer", "leaving")
+    waiting: list[BaseException] = []
+
+    def fetch() -> None:
+        try:
+            trainer.request(P.FETCH, {"step": 0, "max_groups": 1, "wait_ms": 60_000}, timeout=90)
+        except BaseException as exc:
+            waiting.append(exc)
+
+    thread = threading.Thread(target=fetch)
+    thread.start()
+    wait_for(lambda: trainer._waits, 10, "the FETCH sent")
+    thread.join(0.5)
+    assert thread.is_alive()  # held by the broker: nothing to deliver yet
+    trainer.stopping(give_up=(P.FETCH,))
+    thread.join(10)  # not the 60 s the broker would hold it
+    assert not thread.is_alive() and isinstance(waiting[0], CancelledError)
+    with pytest.raises(CancelledError):  # and any later one at once
+        trainer.request(P.FETCH, {"step": 0, "max_groups": 1, "wait_ms": 60_000}, timeout=90)
+    assert trainer.request(P.STATUS).command == P.STATUS  # other requests are still answered
+    trainer.close(bye=True)
+    clients(broker, "explorer", "late").put(group("g"))
+    again = clients(broker, "trainer", "back")
+    reply = again.request(P.FETCH, {"step": 0, "max_groups": 1, "wait_ms": 5_000}, timeout=30)
+    assert reply.command == P.BATCH
+    assert [t["id"] for g in reply.header["groups"] for t in g["trajectories"]] == ["g.0", "g.1"]

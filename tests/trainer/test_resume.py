@@ -53,6 +53,15 @@ def kill_when(proc, condition, timeout: float = 300) -> None:
         reap(proc)
 
 
+def wait_connected(b, clients, proc, timeout: float = 120) -> None:
+    """Until the broker lists the trainer `proc` among its peers."""
+    watch = clients(b, "tool", "watch")
+    deadline = time.monotonic() + timeout
+    while "trainer" not in {p["name"] for p in watch.request(P.STATUS).header["peers"]}:
+        assert proc.poll() is None and time.monotonic() < deadline, "the trainer did not connect"
+        time.sleep(0.2)
+
+
 def delivered(b):
     db = sqlite3.connect(b.data_dir / "buffer.sqlite3")
     rows = {step: P.unpack(groups) for step, groups in db.execute("SELECT step, groups FROM batches ORDER BY step")}
@@ -139,11 +148,8 @@ def test_trainer_waits_out_a_broker_outage_longer_than_its_request_timeout(broke
         args += ["--set", s]
     proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        watch = clients(b, "tool", "watch")
+        wait_connected(b, clients, proc)
         deadline = time.monotonic() + 120
-        while "trainer" not in {p["name"] for p in watch.request(P.STATUS).header["peers"]}:
-            assert proc.poll() is None and time.monotonic() < deadline, "the trainer did not connect"
-            time.sleep(0.2)
         b.kill(signal.SIGKILL)  # the trainer is connected and waiting for data: take the broker away
         while "broker_unreachable_waiting" not in events_of(log_path):
             assert proc.poll() is None, "the trainer exited while the broker was away"
@@ -176,3 +182,22 @@ def test_a_trainer_that_fails_says_why_in_its_log(broker_factory, tmp_path):
     failed = events(log_path, "trainer_failed")
     # A setting it cannot use (ConfigError) is said in one line; any other failure comes with its traceback.
     assert failed and failed[0]["component"] == "trainer" and "no-such-model" in failed[0]["error"]
+
+
+def test_a_trainer_stopped_while_the_broker_holds_its_fetch_exits_without_waiting_it_out(broker_factory, clients,
+                                                                                          tiny_model, tmp_path):
+    """No explorer, so the broker holds the trainer's FETCH for data (60 s here, `trainer.fetch_wait_s`): SIGTERM
+    ends that wait and the trainer exits 0, having trained nothing."""
+    b = broker_factory("sync.sync_style=async", "sync.max_staleness=100", "rollout.repeat=4", "data.batch_tasks=2")
+    log_path = tmp_path / "t.jsonl"
+    proc = start_trainer(b, tmp_path / "run", tiny_model, log_path, STEPS, 0, "trainer.fetch_wait_s=60")
+    try:
+        wait_connected(b, clients, proc)
+        time.sleep(1)  # its first FETCH is on its way and held
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(30) == 0  # the held FETCH alone would have taken 60 s
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            reap(proc)
+    assert [e["step"] for e in events(log_path, "trainer_stopped")] == [0]
