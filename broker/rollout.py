@@ -9,18 +9,17 @@ refused like any other difference, with the field named.
 
 from __future__ import annotations
 
-from typing import Any, get_args
+from typing import Any
 
 import structlog
 
 from rlbus.broker.store import Store
-from rlbus.common.config import RolloutConfig, RunConfig
+from rlbus.common.config import RunConfig
 from rlbus.common.messages import Rollout, fields
 
 log = structlog.get_logger()
 
 FIELDS = fields(Rollout)
-DTYPES = tuple(d for d in get_args(RolloutConfig.model_fields["dtype"].annotation) if d != "auto")
 _PINNED = "rollout_dtype"  # the store's meta key
 
 
@@ -38,9 +37,7 @@ class RunRollout:
             run = self.settings.get(key)
             if key not in FIELDS or value == run:
                 continue
-            if key == "dtype" and value not in (*DTYPES, "auto"):
-                out.append(f"rollout.dtype: this peer has {value!r}, not one of {', '.join(DTYPES)}")
-            elif not (key == "dtype" and "auto" in (value, run)):
+            if not (key == "dtype" and "auto" in (value, run)):
                 out.append(f"rollout.{key}: this peer has {value!r}, the run {run!r}")
         return out
 

@@ -30,6 +30,7 @@ Id = Annotated[str, Meta(min_length=1, max_length=MAX_ID_CHARS)]  # never empty
 MAX_WORKERS = 1024  # ranks one explorer takes in a weight broadcast (its engine's workers)
 Workers = Annotated[int, Meta(ge=1, le=MAX_WORKERS)]
 Names = list[Id]
+Dtype = Literal["auto", "bfloat16", "float16", "float32"]  # as config section `rollout` takes them
 
 
 class Header(Struct, forbid_unknown_fields=False, kw_only=True):
@@ -49,7 +50,7 @@ class Rollout(Struct, forbid_unknown_fields=False):
     temperature: Float | UnsetType = UNSET
     top_p: Float | UnsetType = UNSET
     max_tokens: Int | UnsetType = UNSET
-    dtype: str | UnsetType = UNSET
+    dtype: Dtype | UnsetType = UNSET
     repeat: Int | UnsetType = UNSET
     seed: Int | UnsetType = UNSET
 

@@ -234,7 +234,8 @@ def decode(frames: list[bytes], max_message_bytes: int | None = None,
     try:
         header = unpack(frames[2])
     except Exception as exc:  # msgpack raises several unrelated types
-        raise ProtocolError("malformed", f"header is not valid msgpack: {str(exc)[:200]}") from None
+        reason = str(exc)[:200] or type(exc).__name__
+        raise ProtocolError("malformed", f"header is not valid msgpack: {reason}") from None
     if not isinstance(header, dict):
         raise ProtocolError("malformed", f"header must be a msgpack map, got {type(header).__name__}")
     if too_deep(header, max_depth):

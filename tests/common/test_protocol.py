@@ -111,6 +111,15 @@ def test_decode_rejects_oversized_messages_before_parsing():
     assert err.value.code == "too_large"
 
 
+@pytest.mark.parametrize("header", [b"\xc1", b"\x92", b"\x81\xa1a", b"\x01\x02"])
+def test_a_header_that_is_not_msgpack_is_malformed_and_the_message_says_why(header):
+    with pytest.raises(P.ProtocolError) as err:
+        P.decode([P.PROTOCOL, b"STATUS", header])
+    assert err.value.code == "malformed"
+    reason = err.value.message.removeprefix("header is not valid msgpack: ")
+    assert reason != err.value.message and reason.strip(), err.value.message  # says what msgpack found
+
+
 def test_trajectory_payload_roundtrip_without_pickle():
     ids = np.arange(7, dtype=np.int32)
     logp = -np.linspace(0, 1, 7, dtype=np.float32)
