@@ -278,12 +278,16 @@ def validate(msg: Message) -> Struct:
                 raise ProtocolError("bad_field", f"PUT: $.trajectories[{i}].last_version {t.last_version} is older "
                                                  f"than its policy_version {t.policy_version} (the oldest token's)")
     elif msg.command == PUBLISH and typed.broadcast is not msgspec.UNSET:
-        _check_ranks(typed.broadcast)
+        _check_broadcast(typed.broadcast, typed.version)
     return typed
 
 
-def _check_ranks(b: messages.Broadcast) -> None:
-    """Each member's ranks (`rank` … `rank + workers − 1`) lie in 1..world−1 and are its own."""
+def _check_broadcast(b: messages.Broadcast, version: int) -> None:
+    """The epoch carries the version published, and each member's ranks (`rank` … `rank + workers − 1`) lie in
+    1..world−1 and are its own."""
+    if b.version != version:
+        raise ProtocolError("bad_field", f"PUBLISH broadcast: version {b.version} is not the version published "
+                                         f"({version}); members would take the weights for another version")
     workers = {} if b.workers is msgspec.UNSET else b.workers
     strangers = sorted(set(workers) - set(b.ranks))
     if strangers:

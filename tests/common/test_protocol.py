@@ -105,6 +105,14 @@ def test_a_broadcast_whose_ranks_do_not_fit_the_world_or_overlap_is_a_bad_field(
     assert err.value.code == "bad_field" and named in err.value.message, err.value.message
 
 
+def test_a_broadcast_announcing_another_version_than_its_publish_is_a_bad_field():
+    publish = broadcast_publish(2, {"a": 1})
+    publish.header["broadcast"]["version"] = 5
+    with pytest.raises(P.ProtocolError) as err:
+        P.validate(publish)
+    assert err.value.code == "bad_field" and "version 5 is not the version published (1)" in err.value.message
+
+
 def test_decode_rejects_oversized_messages_before_parsing():
     with pytest.raises(P.ProtocolError) as err:
         P.decode(P.encode(P.STATUS, {}, [b"\0" * 1000]), max_message_bytes=500)
