@@ -163,9 +163,23 @@ class Eval(Header):
     items: list[EvalItem]
 
 
+class Score(Struct, forbid_unknown_fields=False):
+    """One result of a reward worker's RESULT."""
+
+    score: Float
+    details: dict[str, Any] | UnsetType = UNSET
+    reason: str | UnsetType = UNSET
+
+
 class Result(Struct, forbid_unknown_fields=False):
     job: Int
-    results: list[Any]
+    results: list[Any]  # checked as Scores by the broker's reward router: a bad answer sends the job elsewhere
+
+
+class Scores(Struct, forbid_unknown_fields=False):
+    """A RESULT's results as the broker checks them before the asker gets them."""
+
+    results: list[Score]
 
 
 HEADERS: dict[str, type[Struct]] = {

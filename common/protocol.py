@@ -251,6 +251,16 @@ def decode_reply(frames: list[bytes]) -> Message:
 # ---- field checks ---------------------------------------------------------
 
 
+def field_error(what: str, exc: msgspec.ValidationError) -> ProtocolError:
+    """`bad_field`, naming the field msgspec found wrong and saying so in the protocol's words."""
+    text = str(exc)
+    for bound in ("`float` >= -1.7976931348623157e+308", "`float` <= 1.7976931348623157e+308"):
+        text = text.replace(bound, "a finite `float`")  # NaN, -inf; +inf
+    if "got `null`" in text:
+        text += "; leave the field out instead of sending nil"
+    return ProtocolError("bad_field", f"{what}: {text[:300]}")
+
+
 def validate(msg: Message) -> Struct:
     """Check a request's header against its type (rlbus.common.messages); returns the typed header, or
     raises ProtocolError `bad_field` naming the field, or `unknown_command`."""
@@ -260,12 +270,7 @@ def validate(msg: Message) -> Struct:
     try:
         typed = msg.typed if msg.typed is not None else messages.check(msg.command, msg.header)
     except msgspec.ValidationError as exc:
-        text = str(exc)
-        for bound in ("`float` >= -1.7976931348623157e+308", "`float` <= 1.7976931348623157e+308"):
-            text = text.replace(bound, "a finite `float`")  # NaN, -inf; +inf
-        if "got `null`" in text:
-            text += "; leave the field out instead of sending nil"
-        raise ProtocolError("bad_field", f"{msg.command}: {text[:300]}") from None
+        raise field_error(msg.command, exc) from None
     if msg.command == PUT:
         if len(msg.payloads) != 1:
             raise ProtocolError("bad_field", f"PUT carries exactly one payload frame, got {len(msg.payloads)}")

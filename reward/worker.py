@@ -10,6 +10,7 @@ reason (reward/base.py), so one bad item never loses the others.
 
 from __future__ import annotations
 
+import math
 import queue
 import time
 from typing import Any, Callable
@@ -59,9 +60,13 @@ class RewardWorker:
             raise ConfigError(f"reward.rm_path={path!r}: no sequence-classification model loads from it "
                               f"({str(exc).splitlines()[0][:300]})") from None
 
+        failure = self.cfg.reward.failure_score
+
         def score(items: list[dict]) -> list[dict]:
             scores = model.score([it["task"].get("prompt", "") for it in items], [it.get("text", "") for it in items])
-            return [{"score": s, "details": {}, "reason": ""} for s in scores]
+            return [{"score": s, "details": {}, "reason": ""} if math.isfinite(s) else
+                    {"score": failure, "details": {"raw_score": repr(s)}, "reason": "reward was not a finite number"}
+                    for s in scores]
 
         return score
 

@@ -53,3 +53,22 @@ def test_a_config_with_the_rm_reward_and_no_model_is_refused():
             from_config(load_config(None, sets, environ={}).reward)
     from_config(load_config(None, ["reward.terms=[{fn: rm, weight: 1.0, params: {path: /m}}]"], environ={}).reward)
     from_config(load_config(None, ["reward.fn=rm", "reward.service=rm"], environ={}).reward)  # a worker scores
+
+
+def test_a_reward_model_worker_turns_a_score_that_is_not_finite_into_the_failure_score(tiny_rm, tmp_path):
+    """A reward model whose head gives NaN (a real model, its score head's weights made NaN): the worker answers
+    the failure score with the reason, as for any reward, not a NaN the broker would refuse."""
+    import torch
+    from transformers import AutoTokenizer, LlamaForSequenceClassification
+
+    from rlbus.common.config import load_config
+    from rlbus.reward.worker import RewardWorker
+
+    model = LlamaForSequenceClassification.from_pretrained(tiny_rm)
+    with torch.no_grad():
+        model.score.weight.fill_(float("nan"))
+    model.save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(tiny_rm).save_pretrained(tmp_path)
+    cfg = load_config(None, [f"reward.rm_path={tmp_path}", "reward.failure_score=-1.0"], environ={})
+    results = RewardWorker(cfg, ["rm"], "rm-worker").handlers["rm"]([{"task": {"prompt": "hi"}, "text": "hello"}])
+    assert results == [{"score": -1.0, "details": {"raw_score": "nan"}, "reason": "reward was not a finite number"}]

@@ -11,13 +11,14 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from rlbus.common import protocol as P
 from rlbus.common.client import BrokerError
 from rlbus.reward.base import Response
 from rlbus.reward.worker import RemoteReward
-from tests.conftest import REPO, free_port
+from tests.conftest import REPO, free_port, recv
 from tests.helpers.waiting import wait_for
 
 SLOW = "tests.helpers.slow_reward:score"
@@ -87,6 +88,74 @@ def test_a_worker_dying_mid_request_has_its_request_rerouted(broker_factory, cli
     assert reply.command == P.RESULT and reply.header["results"][0]["score"] == 1.0
     assert reply.header["served_by"] != victim
     assert any(e["event"] == "eval_rerouted" and e["lost_worker"] == victim for e in b.log_events())
+
+
+def hand_made_workers(b, raw_dealer, *names: str) -> dict[str, zmq.Socket]:
+    """Reward workers as bare sockets, to answer what no rlbus worker would."""
+    socks = {}
+    for name in names:
+        sock = socks[name] = raw_dealer(b.address)
+        sock.send_multipart(P.encode(P.HELLO, {"role": "reward", "name": name, "req": 1,
+                                               "capabilities": {"services": ["math"]}}))
+        assert recv(sock).command == P.WELCOME
+    return socks
+
+
+def next_job(socks: dict[str, zmq.Socket], timeout_s: float = 10) -> tuple[str, P.Message]:
+    """(worker, EVAL) of the next job any of `socks` is given."""
+    poller = zmq.Poller()
+    for sock in socks.values():
+        poller.register(sock, zmq.POLLIN)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for sock, _ in poller.poll(100):
+            name = next(n for n, s in socks.items() if s is sock)
+            msg = P.decode_reply(sock.recv_multipart())
+            if msg.command == P.EVAL:
+                return name, msg
+    raise TimeoutError("no worker was given the job")
+
+
+@pytest.mark.parametrize("results, named", [
+    ([{"score": float("nan")}, {"score": 1.0}], "a finite `float` - at `$.results[0].score`"),
+    ([{"score": 1.0, "details": {}, "reason": ""}], "1 results for 2 items"),
+    (["1.0", "0.0"], "at `$.results[0]`"),
+])
+def test_a_worker_answering_with_other_than_a_finite_score_per_item_is_told_so_and_its_job_goes_to_another(
+        broker_factory, clients, raw_dealer, results, named):
+    """A RESULT with a NaN score reached the asker (whose PUT of that reward was then refused: rewards are finite),
+    and one of another length failed the job outright: now the broker refuses such an answer, naming what is wrong,
+    and gives the job to another worker at once (not after reward.eval_timeout_s)."""
+    b = broker_factory("reward.eval_timeout_s=60")
+    socks = hand_made_workers(b, raw_dealer, "w1", "w2")
+    asker = clients(b, "explorer", "ex")
+    pending = asker.submit(P.EVAL, {"service": "math", "items": [{"text": "1"}, {"text": "2"}]})
+    first, job = next_job(socks)
+    socks[first].send_multipart(P.encode(P.RESULT, {"job": job.header["job"], "results": results}))
+    refused = recv(socks[first])
+    assert refused.command == P.ERROR and refused.header["code"] == "bad_field", refused.header
+    assert named in refused.header["message"], refused.header["message"]
+    second, again = next_job({n: s for n, s in socks.items() if n != first})
+    assert again.header["job"] == job.header["job"]
+    good = [{"score": 1.0, "details": {}, "reason": ""}, {"score": 0.0, "details": {}, "reason": "wrong"}]
+    socks[second].send_multipart(P.encode(P.RESULT, {"job": job.header["job"], "results": good}))
+    reply = pending.result(10)
+    assert reply.command == P.RESULT and reply.header["served_by"] == second
+    assert [r["score"] for r in reply.header["results"]] == [1.0, 0.0]
+    assert any(e["event"] == "eval_answer_refused" and e["worker"] == first for e in b.log_events())
+
+
+def test_a_job_whose_every_answer_is_refused_fails_with_the_last_reason(broker_factory, clients, raw_dealer):
+    b = broker_factory("reward.eval_timeout_s=60", "reward.eval_attempts=2")
+    socks = hand_made_workers(b, raw_dealer, "only")
+    asker = clients(b, "explorer", "ex")
+    pending = asker.submit(P.EVAL, {"service": "math", "items": [{"text": "1"}]})
+    for _ in range(2):  # the only worker gets it again: every attempt is its
+        _, job = next_job(socks)
+        socks["only"].send_multipart(P.encode(P.RESULT, {"job": job.header["job"], "results": [{"score": "high"}]}))
+        assert recv(socks["only"]).header["code"] == "bad_field"
+    with pytest.raises(BrokerError, match=r"eval_failed.*2 attempts \(the last: worker only: RESULT: Expected `float`"):
+        pending.result(10)
 
 
 def test_a_service_no_worker_offers_is_a_clear_error(broker, clients):
