@@ -165,6 +165,10 @@ class BrokerClient(Connection):
             if command in self._give_up:
                 future.cancel()
 
+    @property
+    def is_stopping(self) -> bool:
+        return self._stopping
+
     def request(self, command: str, header: dict[str, Any] | None = None, payloads: list[bytes] | None = None,
                 timeout: float | None = 30.0) -> P.Message:
         """Send a request and wait for its reply; raises BrokerError on ERROR, TimeoutError on timeout,

@@ -33,7 +33,7 @@ Heartbeats flow from the client's thread during long generations. On SIGTERM
 (or SIGHUP, SIGINT) the explorer finishes the tasks in hand, PUTs them, and
 says BYE, which releases any lease it still holds; if the broker has gone too
 (the whole run is stopping), it exits once the broker has been silent for
-`broker.liveness` heartbeats instead of waiting for it.
+`broker.liveness` heartbeats instead of waiting for it (or for reward workers).
 """
 
 from __future__ import annotations
@@ -62,6 +62,8 @@ from rlbus.weights.models import with_rollout_dtype
 from rlbus.weights.sync import Receiver
 
 log = structlog.get_logger()
+_GIVEN_UP_WHEN_STOPPING = {"unreachable": "stopped_without_broker", "storage_error": "stopped_with_puts_unstored",
+                           "no_service": "stopped_with_groups_unscored", "eval_failed": "stopped_with_groups_unscored"}
 
 
 class Explorer:
@@ -201,14 +203,12 @@ class Explorer:
                 self._load_newest()
                 self.evaluate(force=True)
         except (BrokerUnreachable, BrokerError) as exc:
-            unstored = isinstance(exc, BrokerError) and exc.code == "storage_error"
-            if not (self.stop_event.is_set() and (unstored or isinstance(exc, BrokerUnreachable))):
+            code = exc.code if isinstance(exc, BrokerError) else "unreachable"
+            if not (self.stop_event.is_set() and code in _GIVEN_UP_WHEN_STOPPING):
                 raise  # anything else, or while running (the client resends an unstored PUT until stopping)
-            # Stopped with the broker gone, or unable to store: groups not ACKed are not stored; their leases
-            # expire at the broker, which hands the tasks out again.
+            # Stopping, and the broker gone, its disk, or the reward workers: what is not ACKed has its lease expire.
             unacked = sum(1 for f in pending if not f.done() or f.exception() is not None)
-            log.warning("stopped_with_puts_unstored" if unstored else "stopped_without_broker",
-                        puts_unacknowledged=unacked, error=str(exc))
+            log.warning(_GIVEN_UP_WHEN_STOPPING[code], puts_unacknowledged=unacked, error=str(exc))
         finally:
             self._activity.emit(self.engine.in_flight)
             self.receiver.close()

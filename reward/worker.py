@@ -18,7 +18,7 @@ from typing import Any, Callable
 import structlog
 
 from rlbus.common import protocol as P, telemetry
-from rlbus.common.client import BrokerClient, default_name
+from rlbus.common.client import BrokerClient, BrokerError, default_name
 from rlbus.common.config import ConfigError, RunConfig
 from rlbus.common.logging import bind
 from rlbus.common.processes import freeze_heap, on_stop_signals
@@ -115,14 +115,32 @@ class RewardWorker:
 
 
 class RemoteReward:
-    """An explorer's reward that asks reward workers through the broker, one EVAL per batch."""
+    """An explorer's reward that asks reward workers through the broker, one EVAL per batch.
 
-    def __init__(self, client: BrokerClient, service: str, timeout_s: float):
+    While no worker offers the service (none started yet, or every one restarting) or none gave a result
+    (`eval_failed`), the batch is asked again after a backoff, said in a warning each time, until the explorer
+    is stopping: a reward service that comes and goes costs the explorers time, not their work."""
+
+    def __init__(self, client: BrokerClient, service: str, timeout_s: float, backoff_max_s: float = 10.0):
         self.client, self.service, self.timeout_s = client, service, timeout_s
+        self.backoff_max_s = backoff_max_s
 
     def score_batch(self, tasks: list[dict], responses: list[Response]) -> list[RewardResult]:
         items = [{"task": dict(t), "text": r.text, "token_ids": list(r.token_ids)} for t, r in zip(tasks, responses)]
-        reply = self.client.request(P.EVAL, {"service": self.service, "items": items}, timeout=None)
+        delay = 0.5
+        while True:
+            try:
+                reply = self.client.request(P.EVAL, {"service": self.service, "items": items}, timeout=None)
+                break
+            except BrokerError as exc:
+                if exc.code not in ("no_service", "eval_failed") or self.client.is_stopping:
+                    raise
+                log.warning("reward_service_unavailable", service=self.service, code=exc.code,
+                            error=str(exc)[:300], retry_in_s=delay)
+                deadline = time.monotonic() + delay
+                while time.monotonic() < deadline and not self.client.is_stopping:
+                    time.sleep(0.05)
+                delay = min(2 * delay, self.backoff_max_s)
         return [RewardResult(float(x["score"]), dict(x.get("details") or {}, served_by=reply.header.get("served_by")),
                              x.get("reason", "")) for x in reply.header["results"]]
 

@@ -268,3 +268,52 @@ def test_an_explorer_rides_out_a_broker_that_cannot_write_and_stops_with_what_it
     assert len(gave_up) == 1 and "storage_error" in gave_up[0]["error"]
     assert any(e["event"] == "broker_storage_error" and e["command"] == "PUT" for e in logs)
     assert "patient" not in {p["name"] for p in tool.request(P.STATUS).header["peers"]}, "it said BYE"
+
+
+def test_an_explorer_scoring_with_reward_workers_waits_for_one_and_stops_with_its_groups_unscored(
+        broker_factory, clients, engine, tmp_path):
+    """With `reward.service` and no worker offering it (none started yet, or the only one gone), the explorer
+    stopped with the broker's no_service; now it waits for a worker, and its groups are stored once one comes.
+    Told to stop while none is there, it stops cleanly and says what it gives up."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from structlog.testing import capture_logs
+
+    from tests.conftest import REPO
+    from tests.helpers.waiting import wait_for
+
+    b = broker_factory("sync.sync_style=async", "sync.max_staleness=100", "rollout.repeat=4", "data.batch_tasks=2")
+    tool = clients(b, "tool", "watch")
+    stored = lambda: tool.request(P.STATUS).header["buffer"]["stored"]  # noqa: E731
+    unserved = lambda: sum(1 for e in b.log_events()  # noqa: E731
+                           if e["event"] == "eval_failed" and e["code"] == "no_service")
+    ex = Explorer(explorer_config(b, "sync.sync_style=async", "reward.service=math"), engine, name="waits")
+    worker = None
+    with capture_logs() as logs:
+        runner = threading.Thread(target=ex.run, daemon=True)
+        runner.start()
+        try:
+            wait_for(lambda: unserved() >= 2, 60, "EVALs refused for want of a worker")
+            assert runner.is_alive() and stored() == 0
+            worker = subprocess.Popen([sys.executable, "-m", "rlbus.cli", "reward", "--broker", b.address, "--name",
+                                       "scorer", "--service", "math", "--set", "broker.heartbeat_interval_s=0.2"],
+                                      cwd=REPO, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "w.log", "w"))
+            wait_for(lambda: stored() >= 8, 90, "groups scored by the worker stored")
+            worker.send_signal(signal.SIGTERM)  # it says BYE: the service is gone at once
+            assert worker.wait(30) == 0
+            seen = unserved()
+            wait_for(lambda: unserved() > seen, 60, "an EVAL refused again")
+            ex.stop()
+            runner.join(60)
+            assert not runner.is_alive()
+        finally:
+            if worker is not None and worker.poll() is None:
+                os.kill(worker.pid, signal.SIGKILL)
+                worker.wait(10)
+    gave_up = [e for e in logs if e["event"] == "stopped_with_groups_unscored"]
+    assert len(gave_up) == 1 and "no_service" in gave_up[0]["error"], [e["event"] for e in logs][-20:]
+    assert any(e["event"] == "reward_service_unavailable" for e in logs)
+    assert "waits" not in {p["name"] for p in tool.request(P.STATUS).header["peers"]}, "it said BYE"

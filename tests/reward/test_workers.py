@@ -158,6 +158,32 @@ def test_a_job_whose_every_answer_is_refused_fails_with_the_last_reason(broker_f
         pending.result(10)
 
 
+def test_an_explorers_remote_reward_waits_for_a_worker_to_offer_its_service_and_gives_up_only_when_stopping(
+        broker_factory, clients, workers):
+    """An explorer asking for a service no worker offers (none started yet, or every one restarting) stopped with
+    the broker's no_service; now its reward asks again after a backoff until a worker comes, or it is stopping."""
+    b = broker_factory("reward.eval_timeout_s=30")
+    ex = clients(b, "explorer", "ex")
+    refusals = lambda: sum(1 for e in b.log_events()  # noqa: E731
+                           if e["event"] == "eval_failed" and e["code"] == "no_service")
+    remote = RemoteReward(ex, "math", 30, backoff_max_s=0.5)
+    with ThreadPoolExecutor(1) as pool:
+        scored = pool.submit(remote.score_batch, [{"answer": "42"}], [Response("\\boxed{42}")])
+        wait_for(lambda: refusals() >= 2, 30, "the EVAL refused twice")
+        assert not scored.done()
+        workers(b, "late")
+        assert [r.score for r in scored.result(30)] == [1.0]
+        assert scored.result()[0].details["served_by"] == "late"
+        seen = refusals()
+        unserved = pool.submit(RemoteReward(ex, "nobody-offers-this", 30, backoff_max_s=0.5).score_batch,
+                               [{"answer": "1"}], [Response("1")])
+        wait_for(lambda: refusals() > seen, 30, "the EVAL of a service nobody offers refused")
+        assert not unserved.done()
+        ex.stopping()
+        with pytest.raises(BrokerError, match="no_service"):
+            unserved.result(10)
+
+
 def test_a_service_no_worker_offers_is_a_clear_error(broker, clients):
     ex = clients(broker, "explorer", "ex")
     with pytest.raises(BrokerError, match="no_service.*'code'.*rlbus reward"):
