@@ -173,15 +173,9 @@ class Broker:
         peer = self.peers.get(identity)
         log.warning("bad_message", code=exc.code, reason=exc.message, peer=peer.name if peer else None,
                     frames=len(body))
-        req = None
-        if exc.code != "bad_version" and len(body) >= 3 and len(body[2]) <= P.MAX_HEADER_BYTES:
-            try:  # echo `req` whenever the header can be read, so the sender's request is answered
-                header = P.unpack(body[2])
-                req = header.get("req") if isinstance(header, dict) else None
-            except Exception:
-                req = None
-        ok = isinstance(req, int) and not isinstance(req, bool) and 0 <= req <= P.MAX_INT
-        self.send(identity, P.error(exc.code, exc.message, req if ok else None))
+        # `req` echoed whenever the header can be read (a header over the limit too), so the request is answered
+        req = P.request_id(body[2]) if exc.code != "bad_version" and len(body) >= 3 else None
+        self.send(identity, P.error(exc.code, exc.message, req))
 
     def send(self, identity: bytes, frames: list[bytes]) -> None:
         try:

@@ -142,6 +142,22 @@ def unpack(data: bytes) -> Any:
     return msgpack.unpackb(data, raw=False, strict_map_key=True)
 
 
+def request_id(header: bytes) -> int | None:
+    """The `req` of a header that may be refused (too large, too deep, of a bad field), or None where it has
+    none that can be read: only the top-level keys are decoded, every other value is skipped unbuilt."""
+    try:
+        reader = msgpack.Unpacker(raw=False, max_buffer_size=max(len(header), 1))
+        reader.feed(header)
+        for _ in range(reader.read_map_header()):
+            if reader.unpack() == "req":
+                req = reader.unpack()
+                return req if type(req) is int and 0 <= req <= MAX_INT else None
+            reader.skip()
+    except Exception:  # not msgpack, not a map, cut short, nested past the decoder's stack
+        return None
+    return None
+
+
 def encode(command: str, header: dict[str, Any] | None = None, payloads: list[bytes] | None = None) -> list[bytes]:
     """Frames of one message: protocol tag, command, header, payloads."""
     return [PROTOCOL, command.encode("ascii"), pack(header or {}), *(payloads or [])]

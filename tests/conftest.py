@@ -229,6 +229,14 @@ def raw_dealer():
         s.close(0)
 
 
+def nested(depth: int, leaf=1):
+    """A value `depth` maps deep."""
+    value = leaf
+    for _ in range(depth):
+        value = {"a": value}
+    return value
+
+
 def recv(sock: zmq.Socket, timeout_s: float = 10.0) -> P.Message:
     """The next reply on a raw socket. The broker's own HEARTBEAT and CREDIT messages, which it sends a peer
     whenever it has been quiet toward it for a heartbeat interval (sooner than a reply on a busy machine),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rlbus.common import protocol as P
-from tests.conftest import group, recv
+from tests.conftest import group, nested, recv
 
 
 def hello(sock, name="raw"):
@@ -52,6 +52,18 @@ def test_bad_frame_gets_error_and_broker_goes_on(broker_factory, raw_dealer, cli
     sock.send_multipart(P.encode(P.STATUS, {"req": 99}))
     assert recv(sock).header["req"] == 99
     assert any(e["event"] == "bad_message" and e["code"] == code for e in b.log_events())
+
+
+def test_a_refused_header_has_its_req_echoed_whenever_it_can_be_read(broker, raw_dealer):
+    """An ERROR carries the request's `req` wherever the header can be read: a header over the 1 MiB limit
+    and one nested too deep are refused unbuilt, yet their `req` (a top-level key) is found and echoed."""
+    sock = raw_dealer(broker.address)
+    hello(sock)
+    for req, header, code in ((21, {"pad": "x" * (P.MAX_HEADER_BYTES + 1), "req": 21}, "too_large"),
+                              (22, {"deep": nested(P.MAX_DEPTH + 4), "req": 22}, "malformed")):
+        sock.send_multipart([P.PROTOCOL, b"STATUS", P.pack(header)])
+        reply = recv(sock)
+        assert (reply.command, reply.header["code"], reply.header.get("req")) == (P.ERROR, code, req), reply.header
 
 
 def test_request_before_hello_is_refused(broker, raw_dealer):

@@ -12,14 +12,7 @@ import pytest
 
 from rlbus.common import protocol as P
 from rlbus.common.client import BrokerError
-from tests.conftest import group, recv
-
-
-def nested(depth: int, leaf=1):
-    value = leaf
-    for _ in range(depth):
-        value = {"a": value}
-    return value
+from tests.conftest import group, nested, recv
 
 
 def hello(sock, name="raw", role="explorer", **extra):

@@ -9,6 +9,7 @@ from hypothesis import given, strategies as st
 
 from rlbus.common import messages as M, protocol as P
 from rlbus.common.trajectory import decode_payload, encode_payload
+from tests.conftest import nested
 from tests.helpers.announce import broadcast_publish
 
 
@@ -126,6 +127,18 @@ def test_a_header_that_is_not_msgpack_is_malformed_and_the_message_says_why(head
     assert err.value.code == "malformed"
     reason = err.value.message.removeprefix("header is not valid msgpack: ")
     assert reason != err.value.message and reason.strip(), err.value.message  # says what msgpack found
+
+
+@pytest.mark.parametrize("header, req", [
+    (P.pack({"req": 7, "x": 1}), 7),
+    (P.pack({"x": nested(P.MAX_DEPTH + 4), "req": 8}), 8),  # read past a value too deep to accept
+    (P.pack({"pad": "x" * (2 << 20), "req": 9}), 9),  # past a header over the limit
+    (P.pack({"req": True}), None), (P.pack({"req": -1}), None), (P.pack({"req": 1 << 53}), None),
+    (P.pack({"req": "1"}), None), (P.pack({"x": 1}), None), (P.pack([1, 2]), None), (b"\xc1", None),
+    (P.pack({"x": 1, "req": 3})[:-1], None),  # cut short before its req
+])
+def test_the_req_of_a_refused_header_is_read_wherever_it_can_be(header, req):
+    assert P.request_id(header) == req
 
 
 def test_trajectory_payload_roundtrip_without_pickle():
