@@ -5,9 +5,10 @@ which every child reads), `logs/<component>.jsonl` (structured logs) and
 `logs/<component>.out` (anything else a child prints), the buffer, the
 weights and the checkpoints. With `broker.port` and `broker.pub_port` 0 the
 broker binds free ports, which go into `config.yaml` before anything else
-starts. Children start in order (broker, trainer, explorers), each in its
-own process group (so stopping one stops its vLLM engine processes too)
-and, if configured, pinned to its cores.
+starts. Children start in order (broker, trainer, explorers, and with
+`reward.service` a reward worker offering that service), each in its own
+process group (so stopping one stops its vLLM engine processes too) and, if
+configured, pinned to its cores.
 
 While they run, a progress line shows the trainer's step and reward, each
 explorer's policy version, the buffer depth and how many explorers are
@@ -15,8 +16,9 @@ connected (on a terminal, a live view instead: rlbus/progress.py). With
 `metrics.prometheus_port` each child serves `/metrics` on its own port. The run ends when the trainer finishes its steps, on Ctrl-C or
 SIGTERM, or when a component fails (`launch.on_crash: stop`; with `restart`
 it is started again, up to `launch.max_restarts` times). Stopping sends
-SIGTERM to the explorers and the trainer, then the broker, and SIGKILL to any
-group still there after a grace period.
+SIGTERM to the explorers and the trainer, then the reward worker they may
+still ask, then the broker, and SIGKILL to any group still there after a
+grace period.
 """
 
 from __future__ import annotations
@@ -123,6 +125,9 @@ class Launcher:
             # One explorer evaluates on the held-out set: the others only explore.
             extra = ["--name", f"explorer-{i}"] + (["--set", "explorer.eval_every=0"] if i else [])
             self.children.append(Child(f"explorer-{i}", "explorer", cpus, extra + metrics_port(2 + i)))
+        if cfg.reward.service:  # the explorers score through a worker: one that offers their service
+            self.children.append(Child("reward", "reward", set(), ["--name", "reward", "--service", cfg.reward.service]
+                                       + metrics_port(2 + launch.explorers)))
         self._stopping = False
         self.exit_code = 0
 
@@ -186,12 +191,14 @@ class Launcher:
         self._stopping = True
 
     def _shutdown(self) -> None:
-        workers = self.children[1:]
-        for child in reversed(workers):
-            self._signal(child, signal.SIGTERM)
-        self._wait_all(workers, GRACE_S)
-        self._signal(self.children[0], signal.SIGTERM)
-        self._wait_all(self.children[:1], GRACE_S)
+        # Explorers and the trainer first (an explorer finishing its batch may still need the reward worker), then
+        # the reward worker, then the broker.
+        stages = ([c for c in self.children[1:] if c.command != "reward"],
+                  [c for c in self.children if c.command == "reward"], self.children[:1])
+        for stage in stages:
+            for child in reversed(stage):
+                self._signal(child, signal.SIGTERM)
+            self._wait_all(stage, GRACE_S)
         for child in self.children:
             if child.proc is not None:
                 try:
@@ -217,12 +224,13 @@ class Launcher:
     def progress(self) -> dict:
         step = last_event(self.logs / "trainer.jsonl", "train_step") or {}
         versions = {}
-        for child in self.children[2:]:
+        explorers = [c for c in self.children if c.command == "explorer"]
+        for child in explorers:
             log_file = self.logs / f"{child.name}.jsonl"
             batch = last_event(log_file, "explorer_batch") or last_event(log_file, "explorer_groups") or {}
             versions[child.name] = batch.get("policy_version")
         broker = last_event(self.logs / "broker.jsonl", field="depth") or {}  # the newest broker event that carries a depth
-        alive = sum(1 for c in self.children[2:] if c.proc is not None and c.proc.poll() is None)
+        alive = sum(1 for c in explorers if c.proc is not None and c.proc.poll() is None)
         evaluated = last_event(self.logs / "explorer-0.jsonl", "eval") or {}
         return {"step": step.get("step"), "reward_mean": step.get("reward_mean"), "explorer_versions": versions,
                 "buffer_depth": broker.get("depth"), "explorers_running": alive,

@@ -68,6 +68,34 @@ def test_eval_overlap_on_cores_the_trainer_shares_is_warned_about():
     if len(have) > 1:
         assert not warned(f'launch.trainer_cpus="{have[0]}"', f'launch.explorer_cpus=["{have[1]}"]')
 
+def test_up_starts_a_reward_worker_for_explorers_that_score_through_one_and_stops_it_after_them(tiny_model, tmp_path):
+    """With `reward.service` the explorers score through reward workers; `rlbus up` started none, so they waited
+    for one for ever. Now it starts one offering that service, and stops it after the explorers that may ask it."""
+    run_dir = tmp_path / "run"
+    sets = [f"run.dir={run_dir}", f"model.path={tiny_model}", "broker.port=0", "broker.pub_port=0",
+            "broker.heartbeat_interval_s=0.5", "rollout.repeat=4", "data.batch_tasks=2", "trainer.total_steps=2",
+            "trainer.micro_batch=4", "trainer.fetch_wait_s=1", "rollout.max_tokens=8", "rollout.dtype=float32",
+            f"explorer.kv_cache_mb={TINY_KV_MB}", "launch.explorers=1", "logging.format=json",
+            "algorithm.skip_zero_spread=false", "explorer.eval_every=0", "reward.service=arith"]
+    args = [sys.executable, "-m", "rlbus.cli", "up"] + [x for s in sets for x in ("--set", s)]
+    done = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=600)
+    events = events_in_text(done.stderr)
+    assert done.returncode == 0, done.stderr[-3000:]
+    started = {e["component"]: e["pid"] for e in events if e["event"] == "component_started"}
+    assert sorted(started) == ["broker", "explorer-0", "reward", "trainer"]
+    for pid in started.values():
+        with pytest.raises(ProcessLookupError):
+            os.killpg(pid, 0)
+    logs = run_dir / "logs"
+    assert [e["services"] for e in log_events(logs / "reward.jsonl", "reward_worker_ready")] == [["arith"]]
+    served = log_events(logs / "reward.jsonl", "reward_worker_stopped")
+    assert len(served) == 1 and served[0]["served"] >= 8, "it scored the explorer's groups"
+    routed = {e["worker"] for e in log_events(logs / "broker.jsonl", "eval_routed")}
+    assert routed == {"reward"}
+    assert [s["step"] for s in log_events(logs / "trainer.jsonl", "train_step")] == [0, 1]
+    assert not log_events(logs / "explorer-0.jsonl", "stopped_with_groups_unscored"), "the worker outlived it"
+
+
 @pytest.mark.slow
 def test_up_runs_broker_a_two_rank_trainer_and_explorer_to_the_end(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
