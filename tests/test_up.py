@@ -78,7 +78,7 @@ def test_up_starts_a_reward_worker_for_explorers_that_score_through_one_and_stop
             f"explorer.kv_cache_mb={TINY_KV_MB}", "launch.explorers=1", "logging.format=json",
             "algorithm.skip_zero_spread=false", "explorer.eval_every=0", "reward.service=arith"]
     args = [sys.executable, "-m", "rlbus.cli", "up"] + [x for s in sets for x in ("--set", s)]
-    done = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=300)
     events = events_in_text(done.stderr)
     assert done.returncode == 0, done.stderr[-3000:]
     started = {e["component"]: e["pid"] for e in events if e["event"] == "component_started"}
