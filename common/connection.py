@@ -256,6 +256,10 @@ class Connection:
         self._later.append((time.monotonic() + delay, request))
 
     def _on_welcome(self, h: dict[str, Any]) -> None:
+        was = self.welcome.get("run_id") if self.welcome else None
+        if was is not None and h.get("run_id") != was:  # a broker restarted on another buffer directory
+            log.warning("broker_run_changed", peer=self.name, was=was, now=h.get("run_id"),
+                        hint="the broker serves another run now: its buffer, tasks and leases are not this run's")
         self.welcome = h
         self.credit = h.get("credit", 0)
         if self.weights is None or h["weights"]["version"] >= self.weights["version"]:

@@ -40,6 +40,26 @@ def test_put_made_while_broker_is_down_is_stored_after_restart(broker, clients):
     assert c.reconnects >= 1
 
 
+def test_a_broker_restarted_on_another_buffer_directory_is_rejoined_with_a_warning_that_says_so(broker, clients,
+                                                                                               tmp_path):
+    """A broker restarted on a fresh directory (a new run id) was rejoined without a word, though its buffer,
+    tasks and leases are not the run the peer was part of; a restart on its own directory says nothing."""
+    c = clients(broker, "explorer", "rejoins")
+    first = c.welcome["run_id"]
+    with capture_logs() as logs:
+        broker.kill(signal.SIGKILL)
+        broker.start()  # the same directory: the same run
+        assert c.request(P.STATUS, timeout=30).header["run_id"] == first  # answered once it has said HELLO again
+        assert not [e for e in logs if e["event"] == "broker_run_changed"]
+        broker.kill(signal.SIGKILL)
+        os.rename(broker.data_dir, tmp_path / "the-first-run")
+        broker.data_dir.mkdir()
+        broker.start()
+        assert c.request(P.STATUS, timeout=30).header["run_id"] != first
+    changed = [e for e in logs if e["event"] == "broker_run_changed"]
+    assert len(changed) == 1 and changed[0]["was"] == first and changed[0]["now"] == c.welcome["run_id"] != first
+
+
 def test_default_names_are_unique_to_each_start_and_say_whose_they_are():
     """No two peers a process starts share a name (a random tag alone repeats: 24 bits in 20,000 draws)."""
     names = {default_name("explorer") for _ in range(20_000)}
