@@ -72,7 +72,8 @@ class DataConfig(Section):
 
 class AlgorithmConfig(Section):
     advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = "grpo"
-    """Advantage estimator."""
+    """Advantage estimator: grpo (reward less its group's mean, over its group's std), dr_grpo (less the group's
+    mean), rloo (less the mean of the group's other samples), reinforce_pp (whitened over the batch's tokens)."""
     skip_zero_spread: bool | None = None
     """Drop groups whose rewards are all equal before compute; default: on for group-relative advantages."""
     fill_batch: bool = False

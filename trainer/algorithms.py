@@ -6,8 +6,10 @@ group = the `repeat` samples of one task):
 - `grpo`: (r - group mean) / (group std + eps), std with Bessel's correction;
 - `dr_grpo`: r - group mean (no std: Dr. GRPO);
 - `rloo`: r - mean of the *other* samples of the group = G/(G-1) (r - mean);
-- `reinforce_pp`: (r - batch mean) / (batch std + eps), REINFORCE++'s
-  batch normalisation, no group baseline.
+- `reinforce_pp`: REINFORCE++'s normalisation over the batch's tokens, no group
+  baseline: every response token carries its sample's reward, and the mean and
+  (Bessel-corrected) variance are taken over those tokens, so a sample counts
+  as many times as it has tokens the loss sees: (r - mean) / sqrt(var + 1e-8).
 
 The first three give every sample of a group whose rewards are all equal an
 advantage of zero: such groups cost a forward and backward pass for no
@@ -39,12 +41,12 @@ def group_relative(name: str) -> bool:
 
 
 def advantages(rewards: torch.Tensor, group_ids: torch.Tensor, estimator: str = "grpo",
-               eps: float = 1e-6) -> torch.Tensor:
-    """One advantage per sample. `group_ids` are integers labelling each sample's group."""
+               eps: float = 1e-6, tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """One advantage per sample. `group_ids` are integers labelling each sample's group; `tokens`, each
+    sample's count of response tokens in the loss, weighs the samples for `reinforce_pp` (one each if absent)."""
     rewards = rewards.double()
     if estimator == "reinforce_pp":
-        std = rewards.std(unbiased=True) if rewards.numel() > 1 else rewards.new_tensor(0.0)
-        return ((rewards - rewards.mean()) / (std + eps)).float()
+        return _token_whitened(rewards, torch.ones_like(rewards) if tokens is None else tokens.double()).float()
     out = torch.empty_like(rewards)
     for g in torch.unique(group_ids):
         idx = group_ids == g
@@ -61,6 +63,16 @@ def advantages(rewards: torch.Tensor, group_ids: torch.Tensor, estimator: str = 
         else:
             raise ValueError(f"unknown advantage estimator {estimator!r}")
     return out.float()
+
+
+def _token_whitened(rewards: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Rewards whitened over the tokens that carry them: sample i counts `tokens[i]` times."""
+    if tokens.sum() <= 0:
+        tokens = torch.ones_like(rewards)
+    n = tokens.sum()
+    mean = (tokens * rewards).sum() / n
+    var = (tokens * (rewards - mean).square()).sum() / (n - 1) if n > 1 else rewards.new_tensor(0.0)
+    return (rewards - mean) * torch.rsqrt(var + 1e-8)
 
 
 def zero_spread_groups(rewards: torch.Tensor, group_ids: torch.Tensor) -> set[int]:

@@ -136,7 +136,8 @@ def build_batch(samples: list[Sample], rejected: dict[str, int], estimator: str,
         return None
     rewards = torch.tensor([s.reward for s in samples])
     gids = torch.tensor([s.group for s in samples])
-    adv = advantages(rewards, gids, estimator)
+    tokens = torch.tensor([float(np.count_nonzero(s.loss_mask)) for s in samples])
+    adv = advantages(rewards, gids, estimator, tokens=tokens)
     dropped: set[int] = set()
     if drop_zero_spread and group_relative(estimator):
         dropped = zero_spread_groups(rewards, gids)

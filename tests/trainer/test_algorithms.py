@@ -33,6 +33,18 @@ def test_reinforce_pp_normalises_over_the_batch():
     assert not group_relative("reinforce_pp") and group_relative("grpo")
 
 
+def test_reinforce_pp_whitens_over_tokens_so_a_long_sample_weighs_more():
+    rewards, tokens = torch.tensor([1.0, 0.0, 0.5]), torch.tensor([3.0, 1.0, 0.0])
+    per_token = torch.tensor([1.0, 1.0, 1.0, 0.0])  # the tokens the loss sees; the third sample has none
+    mean, std = per_token.mean(), per_token.std(unbiased=True)  # 0.75, 0.5
+    expected = (rewards - mean) / std
+    assert torch.allclose(advantages(rewards, torch.arange(3), "reinforce_pp", tokens=tokens), expected, atol=1e-5)
+    assert torch.allclose(expected, torch.tensor([0.5, -1.5, -0.5]))
+    # Token counts of nothing weigh the samples alike rather than divide by zero.
+    assert torch.allclose(advantages(rewards, torch.arange(3), "reinforce_pp", tokens=torch.zeros(3)),
+                          advantages(rewards, torch.arange(3), "reinforce_pp"))
+
+
 def test_zero_spread_groups():
     assert zero_spread_groups(R, G) == {1}
 

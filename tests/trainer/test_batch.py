@@ -6,7 +6,7 @@ import numpy as np
 
 from rlbus.common import protocol as P
 from rlbus.common.trajectory import encode_payload
-from rlbus.trainer.batch import decode_batch
+from rlbus.trainer.batch import Sample, build_batch, decode_batch
 
 
 def trajectory(tid: str, sampling: dict | None) -> tuple[dict, bytes]:
@@ -40,3 +40,14 @@ def test_metadata_that_breaks_the_trajectory_type_is_left_out_not_fatal():
     reply = P.Message(P.BATCH, {"groups": [{"group_id": "g", "batch_index": 0, "trajectories": metas}]}, [frame])
     samples, rejected = decode_batch(reply, vocab_size=10)
     assert [s.id for s in samples] == ["a"] and "reward" in next(iter(rejected))
+
+
+def test_reinforce_pp_weighs_each_sample_by_the_response_tokens_its_loss_mask_keeps():
+    def sample(i: int, reward: float, mask: list[int]) -> Sample:
+        n = len(mask)
+        return Sample(f"s{i}", i, reward, 0, 0, np.array([1, 2]), np.full(n, 3), np.full(n, -1.0, dtype=np.float32),
+                      np.array(mask, dtype=np.uint8))
+    # Four response tokens each, but the loss keeps three of the first sample's and one of the second's:
+    # over those four tokens the rewards are 1, 1, 1, 0 (mean 0.75, std 0.5).
+    batch = build_batch([sample(0, 1.0, [1, 1, 0, 1]), sample(1, 0.0, [0, 0, 1, 0])], {}, "reinforce_pp", False, 0)
+    assert np.allclose(batch.advantages.numpy(), [0.5, -1.5], atol=1e-5)
