@@ -8,15 +8,21 @@ Every long-running process stops on SIGTERM, SIGINT or SIGHUP through
 `on_stop_signals`, and processes that load torch, transformers or vLLM freeze
 their heap once started (`freeze_heap`), so that the cyclic collector never
 stalls their threads (and again as they end, `refreeze_heap`, where a library
-unfroze it).
+unfroze it). The interpreter's teardown does not collect a frozen heap, and
+triton's nanobind bindings (torch and vLLM load triton) then report the
+objects it still holds as leaked, thirty lines at every exit of a trainer or
+an explorer: where triton was loaded, what the teardown writes after every
+exit handler goes to /dev/null (`quiet_teardown`).
 """
 
 from __future__ import annotations
 
+import atexit
 import fcntl
 import gc
 import os
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -39,6 +45,25 @@ def terminate_with(parent: int) -> None:
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 _stop_requested = threading.Event()
+
+
+def quiet_teardown() -> None:
+    """Register, first so that it runs last, an exit handler that sends the interpreter's teardown output to
+    /dev/null if triton was loaded. What a process says while it stops (its logs, other exit handlers) is
+    written before it; an uncaught exception's traceback too."""
+    atexit.register(_silence_teardown)
+
+
+def _silence_teardown() -> None:
+    if "triton" not in sys.modules:
+        return
+    try:
+        sys.stderr.flush()
+    except (OSError, ValueError):  # a closed or broken stderr: nothing to flush
+        pass
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    os.close(null)
 
 
 def stop_requested() -> bool:

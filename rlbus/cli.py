@@ -37,6 +37,9 @@ def _version(value: bool) -> None:
 def _main(_: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
                                           help="Print rlbus's version and wire protocol, and exit.")] = False) -> None:
     """rlbus: reinforcement fine-tuning of LLMs around a message broker."""
+    from rlbus.common.processes import quiet_teardown
+
+    quiet_teardown()
 
 
 ConfigArg = Annotated[Optional[Path], typer.Argument(help="YAML config file (defaults if omitted).")]

@@ -22,7 +22,7 @@ import zmq
 from rlbus.broker import endpoints
 from rlbus.common import protocol as P
 from rlbus.common.client import BrokerClient
-from rlbus.common.processes import freeze_heap
+from rlbus.common.processes import freeze_heap, quiet_teardown
 from rlbus.logview import events
 
 REPO = Path(__file__).resolve().parent.parent
@@ -35,6 +35,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # The KV cache every CPU engine on the tiny model gets (explorer.kv_cache_mb): 65,536 tokens, whatever the
 # host's memory.
 TINY_KV_MB = 64
+quiet_teardown()  # the test processes freeze their heap too (see quiet_teardown)
 
 
 PORT_BLOCK = 3000  # ports each pytest process (each xdist worker) hands out, from FIRST_PORT up

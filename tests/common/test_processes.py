@@ -140,3 +140,24 @@ def test_a_waker_ends_a_poll_at_once_and_writes_nothing_once_closed():
     finally:
         os.close(readable)
         os.close(writable)
+
+
+def test_a_process_that_loaded_triton_ends_without_its_teardown_report_and_says_all_it_had_to():
+    """The teardown does not collect a frozen heap, and triton's bindings report what it holds as leaked, thirty lines
+    on stderr; an rlbus process sends its teardown's output to /dev/null, after its exit handlers and its last words."""
+    script = textwrap.dedent("""
+        import atexit, sys
+        from rlbus.common.processes import freeze_heap, quiet_teardown
+        quiet_teardown()
+        import torch._dynamo  # loads triton, as transformers' models do
+        freeze_heap()
+        atexit.register(lambda: print("said by an exit handler", file=sys.stderr))
+        print("said while stopping", file=sys.stderr)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "said while stopping" in done.stderr and "said by an exit handler" in done.stderr
+    assert "nanobind" not in done.stderr
+    loud = subprocess.run([sys.executable, "-c", script.replace("quiet_teardown()", "")], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert "nanobind: leaked" in loud.stderr, "triton's report, which the test would otherwise not see missing"
