@@ -37,9 +37,6 @@ def _version(value: bool) -> None:
 def _main(_: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
                                           help="Print rlbus's version and wire protocol, and exit.")] = False) -> None:
     """rlbus: reinforcement fine-tuning of LLMs around a message broker."""
-    from rlbus.common.processes import quiet_teardown
-
-    quiet_teardown()
 
 
 ConfigArg = Annotated[Optional[Path], typer.Argument(help="YAML config file (defaults if omitted).")]
@@ -70,8 +67,10 @@ def _logging(cfg, component: str, **context):
     """Logging set up, once the directories the component writes to are known to be writable."""
     from rlbus.common.config import writable_dirs
     from rlbus.common.logging import setup_logging
+    from rlbus.common.processes import quiet_teardown
 
     writable_dirs(cfg, component)
+    quiet_teardown()  # the teardown's report of a frozen heap, kept off stderr
     return setup_logging(component, cfg.logging.level, cfg.logging.format, cfg.logging.file or None, **context)
 
 
@@ -323,11 +322,7 @@ def keys(directory: Annotated[Path, typer.Argument(help="Where to write the key 
     if there and not force:
         typer.echo(f"error: {there[0]} exists; a key pair is never replaced unasked (--force)", err=True)
         raise typer.Exit(1)
-    try:
-        public, secret = make_keys(directory, name)
-    except (ValueError, OSError) as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
+    public, secret = _on_run(make_keys, directory, name)
     typer.echo(f"public key: {public}\nsecret key: {secret}")
 
 
