@@ -8,6 +8,11 @@ version 0 with an empty location is the initial model. A PUBLISH replaces it
 once; `tick` sends it again every `republish_interval_s`, because PUB drops
 messages for subscribers that are still connecting. Never deltas: one
 message is enough to know everything (the Clone pattern's snapshot).
+
+The state also says when the run is over: a trainer that has taken its last
+step says so in its BYE, and the state gains `finished: true` (re-stamped, so
+that clients take it) until a trainer says HELLO again or a version is
+published.
 """
 
 from __future__ import annotations
@@ -60,6 +65,21 @@ class WeightBus:
                  epoch=h["broadcast"]["epoch"] if h.get("broadcast") else None)
         self.send()
         return None
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.state.get("finished"))
+
+    def finish(self, finished: bool) -> None:
+        """The run is over (`finished`), or goes on: the state says so from now on, durably, and at once."""
+        if finished == self.finished:
+            return
+        state = {k: v for k, v in self.state.items() if k != "finished"}
+        state.update({"published_at": time.time(), **({"finished": True} if finished else {})})
+        self.store.set_meta("weights", state)
+        self.state = state
+        log.info("run_finished" if finished else "run_reopened", policy_version=state["version"], step=state["step"])
+        self.send()
 
     def send(self) -> None:
         self.pub.send_multipart([P.TOPIC_WEIGHTS, P.PROTOCOL, P.pack(self.state)])

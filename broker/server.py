@@ -80,7 +80,7 @@ class Broker:
         self.handlers: dict[str, tuple[Callable[[Peer, P.Message], None], tuple[str, ...]]] = {
             P.HEARTBEAT: (self._heartbeat, anyone),
             P.STATUS: (lambda p, m: self.reply(p.identity, m, P.STATUS, self.status()), anyone),
-            P.BYE: (lambda p, m: self._drop(p, "bye"), anyone), P.LEASE: (self._lease, ("explorer",)),
+            P.BYE: (self._bye, anyone), P.LEASE: (self._lease, ("explorer",)),
             P.FETCH: (self.buffer.fetch, ("trainer",)), P.COMMIT: (self.buffer.commit, ("trainer",)),
             P.PUBLISH: (self._publish, ("trainer",)), P.SWAP: (self._swap, ("explorer",)),
             P.EVAL: (lambda p, m: self.rewards.submit(p.identity, m), anyone),
@@ -238,6 +238,8 @@ class Broker:
                 "code": "conflict", "message": f"{'; '.join(differs)}: start it with the run's rollout settings, "
                                                f"or leave them out to take the run's"})
         self.rollout.admit(h.get("rollout", {}), h["name"])  # before any change: it may be refused for the disk
+        if h["role"] == "trainer":
+            self.bus.finish(False)  # a trainer back on a finished run: it goes on (recorded before any change too)
         previous = self.peers.get(identity)
         if previous is not None and previous.name != h["name"]:
             self._drop(previous, "renamed")  # one connection, one name: the old one's leases go back
@@ -261,6 +263,11 @@ class Broker:
     def _heartbeat(self, peer: Peer, msg: P.Message) -> None:
         if "policy_version" in msg.header:
             peer.policy_version = msg.header["policy_version"]
+
+    def _bye(self, peer: Peer, msg: P.Message) -> None:
+        self._drop(peer, "bye")
+        if peer.role == "trainer" and msg.header.get("finished"):  # its last step taken: the run is over
+            self.bus.finish(True)
 
     def _drop(self, peer: Peer, reason: str) -> None:
         self.peers.remove(peer)
@@ -290,6 +297,8 @@ class Broker:
     def _lease(self, peer: Peer, msg: P.Message) -> None:
         version = msg.header["policy_version"]
         peer.policy_version = version
+        if self.bus.finished:
+            return self.reply(peer.identity, msg, P.DONE, {"reason": "finished"})
         req = msg.header.get("req")
         again = self.tasks.granted(peer.name, req, peer.joined)
         if again:  # a resend of a LEASE already granted (its TASKS lost with a connection): the same tasks again
@@ -312,7 +321,7 @@ class Broker:
         if batch is None:
             if self.tasks.leases:
                 return self.reply(peer.identity, msg, P.WAIT, {"reason": "leased", "retry_after_s": self.hb})
-            return self.reply(peer.identity, msg, P.DONE, {})
+            return self.reply(peer.identity, msg, P.DONE, {"reason": "taskset"})
         reason, need = self.refusal(batch, version) or ("ahead", 0)
         log.info("lease_wait", peer=peer.name, policy_version=version, reason=reason, need_version=need,
                  batch_index=batch, trainer_step=self.buffer.trainer_step)
@@ -322,13 +331,7 @@ class Broker:
         self.reply(peer.identity, msg, P.WAIT, header)
 
     def _swap(self, peer: Peer, msg: P.Message) -> None:
-        h, now = msg.header, time.time()
-        if h["phase"] == "end":
-            self.swaps.end(peer.name, now)
-        elif not self.swaps.begin(peer.name, h["version"], now):
-            return self.reply(peer.identity, msg, P.WAIT, {"reason": "swapping", "retry_after_s": self.hb / 4,
-                                                          "swapping": sorted(self.swaps.holders)})
-        self.reply(peer.identity, msg, P.OK, {})
+        self.reply(peer.identity, msg, *self.swaps.answer(peer.name, msg.header, time.time(), self.hb / 4))
 
     def _publish(self, peer: Peer, msg: P.Message) -> None:
         error = self.bus.publish(msg.header)

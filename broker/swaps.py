@@ -9,7 +9,11 @@ when it has held the slot for `sync.swap_timeout_s`.
 
 from __future__ import annotations
 
+from typing import Any
+
 import structlog
+
+from rlbus.common import protocol as P
 
 log = structlog.get_logger()
 
@@ -19,6 +23,14 @@ class SwapSlots:
         self.limit = limit
         self.timeout_s = timeout_s
         self.holders: dict[str, tuple[int, float]] = {}  # explorer name -> (version, granted at)
+
+    def answer(self, name: str, header: dict[str, Any], now: float, retry_after_s: float) -> tuple[str, dict]:
+        """The reply to a SWAP: OK, or WAIT while every slot is taken."""
+        if header["phase"] == "end":
+            self.end(name, now)
+        elif not self.begin(name, header["version"], now):
+            return P.WAIT, {"reason": "swapping", "retry_after_s": retry_after_s, "swapping": sorted(self.holders)}
+        return P.OK, {}
 
     def begin(self, name: str, version: int, now: float) -> bool:
         """Grant `name` a slot (again, if it holds one: a resent request); False when all are taken."""

@@ -198,11 +198,12 @@ class BrokerClient(Connection):
         frame = P.join_payloads(metas, [p for _, p in items])
         return self.submit(P.PUT, {"trajectories": metas}, [frame])
 
-    def close(self, bye: bool = True, timeout: float = 5.0) -> None:
-        """Say BYE (after pending requests are answered, up to `timeout`) and stop the thread."""
+    def close(self, bye: bool | dict[str, Any] = True, timeout: float = 5.0) -> None:
+        """Say BYE (after pending requests are answered, up to `timeout`), with `bye`'s fields if it is a map,
+        and stop the thread."""
         if self._thread.is_alive():
             if bye:
-                self.submit(P.BYE)
+                self.submit(P.BYE, bye if isinstance(bye, dict) else {})
                 deadline = time.monotonic() + timeout
                 while self._thread.is_alive() and time.monotonic() < deadline and not self._bye_sent.is_set():
                     time.sleep(0.01)

@@ -148,7 +148,7 @@ class Connection:
                 # Nothing will answer what is still outstanding: say so rather than leave callers waiting.
                 self._fail_outstanding(ConnectionError("the client said BYE before a reply came"))
                 if self._welcome_ok:
-                    self._send(P.BYE, {})
+                    self._send(P.BYE, request.header)
                 self._bye_sent.set()
                 continue
             if request.header.pop("_oneway", False):

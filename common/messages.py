@@ -70,6 +70,10 @@ class Heartbeat(Struct, forbid_unknown_fields=False):
     policy_version: Int | UnsetType = UNSET
 
 
+class Bye(Header):
+    finished: bool | UnsetType = UNSET  # the trainer's: its last step is taken, the run is over
+
+
 class Lease(Header):
     max_tasks: Count
     policy_version: Int
@@ -183,7 +187,7 @@ class Scores(Struct, forbid_unknown_fields=False):
 
 
 HEADERS: dict[str, type[Struct]] = {
-    "HELLO": Hello, "HEARTBEAT": Heartbeat, "BYE": Header, "LEASE": Lease, "PUT": Put, "FETCH": Fetch,
+    "HELLO": Hello, "HEARTBEAT": Heartbeat, "BYE": Bye, "LEASE": Lease, "PUT": Put, "FETCH": Fetch,
     "COMMIT": Commit, "PUBLISH": Publish, "STATUS": Header, "EVAL": Eval, "RESULT": Result, "SWAP": Swap,
 }
 

@@ -93,6 +93,7 @@ def test_up_starts_a_reward_worker_for_explorers_that_score_through_one_and_stop
     routed = {e["worker"] for e in log_events(logs / "broker.jsonl", "eval_routed")}
     assert routed == {"reward"}
     assert [s["step"] for s in log_events(logs / "trainer.jsonl", "train_step")] == [0, 1]
+    assert len(log_events(logs / "broker.jsonl", "run_finished")) == 1, "the trainer's last step ended the run"
     assert not log_events(logs / "explorer-0.jsonl", "stopped_with_groups_unscored"), "the worker outlived it"
     for out in logs.glob("*.out"):  # what each component wrote to stdout and stderr: no teardown noise
         assert "nanobind" not in out.read_text(errors="replace"), out.name

@@ -355,7 +355,8 @@ class Trainer(Learner):
             except BrokerUnreachable as exc:
                 self._stopped_without_broker(exc)
             finally:
-                self.client.close(bye=True)
+                # its last step taken, the run is over: the broker tells the explorers (BYE's `finished`)
+                self.client.close(bye={"finished": True} if self.step >= self.cfg.trainer.total_steps else True)
                 self.close()
         log.info("trainer_stopped", step=self.step, policy_version=self.version)
         return done

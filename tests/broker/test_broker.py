@@ -407,3 +407,44 @@ def test_a_stop_signal_ends_the_brokers_wait_at_once_and_its_heap_is_frozen_befo
     stopping = next(i for i, e in enumerate(events) if e["event"] == "broker_stopping")
     assert events[stopping]["depth"] == 2
     assert any(e["event"] == "heap_frozen" and e.get("ending") for e in events[stopping:])
+
+
+def test_a_trainer_that_took_its_last_step_ends_the_run_for_every_explorer_until_a_trainer_returns(broker_factory,
+                                                                                                    clients):
+    """Explorers on other hosts waited for ever for a version no trainer would publish. A trainer's BYE `finished`
+    ends the run: LEASE is answered DONE `finished`, the bus and WELCOME say `finished`, across a restart too; a
+    trainer's HELLO, or a PUBLISH, reopens it."""
+    b = broker_factory("data.batch_tasks=2", "rollout.repeat=2")
+    ex = clients(b, "explorer", "ex")
+    tr = clients(b, "trainer", "tr")
+    assert ex.request(P.LEASE, {"max_tasks": 1, "policy_version": 0}).command == P.TASKS
+    tr.close(bye=True)  # a trainer stopped before its last step ends nothing
+    wait_for(lambda: any(e["event"] == "peer_left" and e["peer"] == "tr" for e in b.log_events()), 5, "tr gone")
+    assert ex.request(P.LEASE, {"max_tasks": 1, "policy_version": 0}).command == P.TASKS
+    assert not ex.weights.get("finished")
+    tr = clients(b, "trainer", "tr")
+    tr.close(bye={"finished": True})
+    wait_for(lambda: ex.weights and ex.weights.get("finished"), 5, "the bus saying the run is over")
+    done = ex.request(P.LEASE, {"max_tasks": 1, "policy_version": 0})
+    assert (done.command, done.header.get("reason")) == (P.DONE, "finished")
+    assert [e["event"] for e in b.log_events() if e["event"].startswith("run_")] == ["run_finished"]
+
+    b.kill()
+    b.start()  # the same directory: the run is still over
+    late = clients(b, "explorer", "late")
+    assert late.welcome["weights"]["finished"] is True
+    assert late.request(P.LEASE, {"max_tasks": 1, "policy_version": 0}).command == P.DONE
+    clients(b, "trainer", "tr")  # a trainer back (say, for more steps): the run goes on
+    wait_for(lambda: not late.weights.get("finished"), 5, "the bus saying the run goes on")
+    again = late.request(P.LEASE, {"max_tasks": 1, "policy_version": 0})  # batch 0's tasks are ex's: batch 1's
+    assert (again.command, again.header.get("need_version")) == (P.WAIT, 1), again.header  # wait for version 1
+    assert [e["event"] for e in b.log_events() if e["event"].startswith("run_")] == ["run_finished", "run_reopened"]
+
+
+def test_a_bye_whose_finished_is_not_a_boolean_is_a_bad_field(broker, raw_dealer):
+    d = raw_dealer(broker.address)
+    d.send_multipart(P.encode(P.HELLO, {"req": 1, "role": "trainer", "name": "tr"}))
+    assert recv(d).command == P.WELCOME
+    d.send_multipart(P.encode(P.BYE, {"finished": "yes"}))
+    reply = recv(d)
+    assert reply.command == P.ERROR and reply.header["code"] == "bad_field" and "finished" in reply.header["message"]

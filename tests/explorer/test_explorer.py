@@ -15,6 +15,7 @@ from rlbus.common.trajectory import decode_payload
 from rlbus.weights.digest import weights_digest
 from rlbus.weights.sync import load_checkpoint
 from rlbus.explorer.main import Explorer
+from tests.helpers.waiting import wait_for
 
 
 def explorer_config(b, *sets):
@@ -133,6 +134,34 @@ def test_lockstep_explorer_waits_for_the_version_it_needs(broker_factory, client
 
 
 
+def test_an_explorer_waiting_for_weights_stops_once_the_trainer_has_taken_its_last_step(broker_factory, clients,
+                                                                                        engine):
+    """Lockstep: after batch 0 the explorer waits for version 1. The trainer ends the run instead (its last step
+    taken: BYE `finished`); the explorer, waiting for a version that will never come, stops, as does one that
+    joins later."""
+    b = broker_factory("sync.sync_style=lockstep", "sync.sync_interval=1", "sync.sync_offset=0",
+                       "rollout.repeat=4", "rollout.max_tokens=8", "data.batch_tasks=2")
+    trainer = clients(b, "trainer", "tr")
+    ex = Explorer(explorer_config(b), engine, name="ex-w")
+    thread = threading.Thread(target=ex.run)
+    thread.start()
+    try:
+        fetch_all(trainer, step=0, max_groups=2, min_groups=2, wait_ms=60_000)
+        wait_for(lambda: any(e["event"] == "lease_wait" and e["peer"] == "ex-w" for e in b.log_events()), 30,
+                 "the explorer waiting for version 1")
+        trainer.request(P.COMMIT, {"step": 0})
+        trainer.close(bye={"finished": True})
+        thread.join(30)
+        assert not thread.is_alive() and ex.batches == 1
+        late = Explorer(explorer_config(b), engine, name="ex-late")
+        assert late.run() == 0
+        left = [e["peer"] for e in b.log_events() if e["event"] == "peer_left" and e["reason"] == "bye"]
+        assert {"ex-w", "ex-late"} <= set(left), "each said BYE"
+    finally:
+        ex.stop()
+        thread.join(10)
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_held_out_evaluation_runs_before_the_batch_or_beside_its_training(broker_factory, clients, engine, tiny_model,
                                                                           overlap):
@@ -238,7 +267,6 @@ def test_an_explorer_rides_out_a_broker_that_cannot_write_and_stops_with_what_it
     from structlog.testing import capture_logs
 
     from tests.conftest import traj
-    from tests.helpers.waiting import wait_for
 
     b = broker_factory("sync.sync_style=async", "sync.max_staleness=100", "rollout.repeat=4", "data.batch_tasks=2")
     filler = clients(b, "explorer", "filler")
