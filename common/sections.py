@@ -317,7 +317,8 @@ class TrainerConfig(Section):
     weight_decay: float = Field(0.0, ge=0)
     """AdamW weight decay."""
     warmup_steps: int = Field(0, ge=0)
-    """Linear learning-rate warm-up."""
+    """Linear learning-rate warm-up over this many steps: step k (from 0) trains at lr x (k + 1) / warmup_steps, so
+    no step is spent at lr 0 (Hugging Face's schedulers start there, one step behind)."""
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
     """After warm-up: keep lr, or decay it to lr x min_lr_ratio at total_steps (linearly or along a cosine)."""
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
