@@ -105,8 +105,11 @@ class AlgorithmConfig(Section):
     """Bound on each token's KL estimate, as [-kl_clamp, kl_clamp] (off when unset). A token beyond it adds a
     constant and no gradient: under k3, a sampled token the policy now finds far less likely than the reference
     did (x below about -2.6 for a bound of 10) no longer dominates the step with its weight 1 - ref/pi."""
-    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
-    """How token losses become the batch loss."""
+    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                         "seq-mean-token-sum-norm"] = "token-mean"
+    """How token losses become the batch loss: the mean over the batch's tokens; the mean over sequences of each
+    one's token mean, or of its token sum; or of its token sum over rollout.max_tokens (Dr. GRPO's constant, as TRL's
+    loss_type dr_grpo)."""
     loss_denominator: Literal["trained", "batch"] = "trained"
     """What the batch loss is averaged over: the samples trained on, or the whole batch, its all-equal-reward
     groups (dropped by the broker or the trainer) counted as samples of advantage 0, as in TRL's GRPOTrainer,

@@ -103,8 +103,11 @@ def kl_estimate(logp: torch.Tensor, logp_ref: torch.Tensor, kind: str = "k3") ->
     raise ValueError(f"unknown KL estimator {kind!r}")
 
 
-def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean") -> torch.Tensor:
-    """Reduce [batch, time] token losses to a scalar over the tokens `mask` keeps."""
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean", max_tokens: int = 1
+              ) -> torch.Tensor:
+    """Reduce [batch, time] token losses to a scalar over the tokens `mask` keeps. `seq-mean-token-sum-norm` is
+    Dr. GRPO's: each sequence's sum over a constant, `max_tokens` (the longest response the run samples), so
+    neither a sequence's length nor the batch's token count scales its tokens' gradients."""
     mask = mask.to(per_token.dtype)
     if mode == "token-mean":
         return (per_token * mask).sum() / mask.sum().clamp(min=1)
@@ -113,6 +116,8 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str = "token-me
         return (per_seq / mask.sum(-1).clamp(min=1)).mean()
     if mode == "seq-mean-token-sum":
         return per_seq.mean()
+    if mode == "seq-mean-token-sum-norm":
+        return per_seq.mean() / max_tokens
     raise ValueError(f"unknown loss aggregation {mode!r}")
 
 
@@ -129,6 +134,7 @@ class LossConfig:
     kl_kind: str = "k3"
     kl_clamp: float | None = None  # bound on each token's KL estimate (beyond it, no gradient)
     aggregation: str = "token-mean"
+    max_tokens: int = 1  # the constant of `seq-mean-token-sum-norm`: rollout.max_tokens
 
 
 def policy_loss(logp: torch.Tensor, logp_prox: torch.Tensor, logp_behaviour: torch.Tensor, adv: torch.Tensor,
@@ -168,7 +174,7 @@ def policy_loss(logp: torch.Tensor, logp_prox: torch.Tensor, logp_behaviour: tor
         kl_mean = float((kl.detach() * mask).sum() / mask.sum().clamp(min=1))  # the estimate itself, unbounded
     # Tokens the importance mask drops add zero but still count, so a batch split into micro-batches
     # (weighted by their share of response tokens) has the same loss and gradients as the whole.
-    loss = aggregate(per_token * mask, response, cfg.aggregation)
+    loss = aggregate(per_token * mask, response, cfg.aggregation, cfg.max_tokens)
     with torch.no_grad():
         n = mask.sum().clamp(min=1)
         clip_hit = ((clipped > unclipped) & mask).sum() / n

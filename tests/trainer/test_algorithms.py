@@ -113,6 +113,8 @@ def test_aggregations():
     assert aggregate(loss, mask, "token-mean").item() == pytest.approx(10 / 4)
     assert aggregate(loss, mask, "seq-mean-token-mean").item() == pytest.approx((2 + 4) / 2)
     assert aggregate(loss, mask, "seq-mean-token-sum").item() == pytest.approx((6 + 4) / 2)
+    # Dr. GRPO: the batch's token sum over (sequences x the constant), here max_tokens 8
+    assert aggregate(loss, mask, "seq-mean-token-sum-norm", 8).item() == pytest.approx((6 + 4) / (2 * 8))
 
 
 def one_token(logp, prox, behav, adv, **kw):
@@ -184,7 +186,8 @@ def test_lr_schedules_warm_up_then_keep_or_decay_to_the_floor():
 
 
 @pytest.mark.parametrize("is_mode", ["truncate", "mask"])
-@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                                         "seq-mean-token-sum-norm"])
 def test_loss_and_gradients_do_not_depend_on_the_micro_batch(aggregation, is_mode):
     """The trainer's split (each micro-batch weighted by its share of tokens or rows) sums to the whole batch,
     also when the importance mask drops tokens."""
@@ -194,7 +197,7 @@ def test_loss_and_gradients_do_not_depend_on_the_micro_batch(aggregation, is_mod
     mask[:, 0] = True
     behaviour = -torch.rand(rows, time_, generator=g) * 2
     adv = torch.randn(rows, generator=g)
-    cfg = LossConfig(is_mode=is_mode, is_low=0.7, is_high=1.3, is_cap=1.3, aggregation=aggregation)
+    cfg = LossConfig(is_mode=is_mode, is_low=0.7, is_high=1.3, is_cap=1.3, aggregation=aggregation, max_tokens=8)
     by_tokens = aggregation == "token-mean"
     total = mask.sum().item() if by_tokens else rows
 

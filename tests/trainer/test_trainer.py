@@ -355,3 +355,25 @@ def test_the_trainer_says_what_autocast_auto_chose_and_records_it_for_replay(bro
     record = json.loads((tmp_path / "run" / RECORD).read_text())
     # Both as this host resolved them: a replay elsewhere trains and publishes as the run did.
     assert record["autocast"] == chose["dtype"] and record["config"]["rollout"]["dtype"] == rollout_dtype("auto")
+
+
+def test_dr_grpo_aggregation_divides_each_sequences_token_sum_by_the_runs_max_tokens(tiny_model, tmp_path):
+    """`seq-mean-token-sum-norm`: a step's loss and gradient are those of `seq-mean-token-sum` over
+    rollout.max_tokens, whatever the micro-batch."""
+    from tests.trainer.test_packing import example
+    from rlbus.trainer.main import Trainer
+
+    batch = example(seed=5)
+    figures = {}
+    for aggregation, micro in (("seq-mean-token-sum", 12), ("seq-mean-token-sum-norm", 12),
+                               ("seq-mean-token-sum-norm", 5)):
+        cfg = load_config(None, [f"run.dir={tmp_path}/run", "trainer.lr=1e-3", f"trainer.micro_batch={micro}",
+                                 f"algorithm.aggregation={aggregation}", "rollout.max_tokens=40",
+                                 "rollout.dtype=float32"], environ={})
+        with closing(Trainer(cfg, tiny_model)) as trainer:
+            metrics = trainer.train_on(batch)
+        figures[aggregation, micro] = (metrics["loss"], metrics["grad_norm"])
+    loss, norm = figures["seq-mean-token-sum", 12]
+    for micro in (12, 5):
+        assert figures["seq-mean-token-sum-norm", micro][0] == pytest.approx(loss / 40, rel=1e-4)
+        assert figures["seq-mean-token-sum-norm", micro][1] == pytest.approx(norm / 40, rel=1e-3)
