@@ -71,11 +71,13 @@ class DataConfig(Section):
 
 
 class AlgorithmConfig(Section):
-    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = "grpo"
-    """Advantage estimator: grpo (reward less its group's mean, over its group's std), dr_grpo (less the group's
-    mean), rloo (less the mean of the group's other samples), reinforce_pp (whitened over the batch's tokens)."""
+    advantage: Literal["grpo", "grpo_batch", "dr_grpo", "rloo", "reinforce_pp"] = "grpo"
+    """Advantage estimator: grpo (reward less its group's mean, over its group's std), grpo_batch (over the std of
+    the batch's rewards instead, TRL's scale_rewards batch; all-equal groups are kept by default, so the std is the
+    whole batch's), dr_grpo (less the group's mean), rloo (less the mean of the group's other samples), reinforce_pp
+    (whitened over the batch's tokens)."""
     skip_zero_spread: bool | None = None
-    """Drop groups whose rewards are all equal before compute; default: on for group-relative advantages."""
+    """Drop groups whose rewards are all equal before compute; default: on for grpo, dr_grpo and rloo."""
     fill_batch: bool = False
     """async: wait until the batch holds `batch_tasks` informative groups (dynamic sampling); lockstep trains each batch's informative groups."""
     informative_wait_s: float = Field(60.0, gt=0)

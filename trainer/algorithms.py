@@ -4,6 +4,10 @@ Advantages take the rewards of a batch and the group each belongs to (a
 group = the `repeat` samples of one task):
 
 - `grpo`: (r - group mean) / (group std + eps), std with Bessel's correction;
+- `grpo_batch`: (r - group mean) / (batch std + eps), the std of every
+  reward in the batch (TRL's `scale_rewards: batch`): groups whose rewards
+  barely differ are not blown up to unit scale. All-equal groups count in
+  that std, so `skip_zero_spread` is off for it unless set;
 - `dr_grpo`: r - group mean (no std: Dr. GRPO);
 - `rloo`: r - mean of the *other* samples of the group = G/(G-1) (r - mean);
 - `reinforce_pp`: REINFORCE++'s normalisation over the batch's tokens, no group
@@ -33,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-GROUP_RELATIVE = frozenset({"grpo", "dr_grpo", "rloo"})
+GROUP_RELATIVE = frozenset({"grpo", "grpo_batch", "dr_grpo", "rloo"})
 
 
 def group_relative(name: str) -> bool:
@@ -48,6 +52,7 @@ def advantages(rewards: torch.Tensor, group_ids: torch.Tensor, estimator: str = 
     if estimator == "reinforce_pp":
         return _token_whitened(rewards, torch.ones_like(rewards) if tokens is None else tokens.double()).float()
     out = torch.empty_like(rewards)
+    batch_std = rewards.std(unbiased=True) if rewards.numel() > 1 else rewards.new_tensor(0.0)
     for g in torch.unique(group_ids):
         idx = group_ids == g
         r = rewards[idx]
@@ -56,6 +61,8 @@ def advantages(rewards: torch.Tensor, group_ids: torch.Tensor, estimator: str = 
         if estimator == "grpo":
             std = r.std(unbiased=True) if n > 1 else r.new_tensor(0.0)
             out[idx] = centred / (std + eps)
+        elif estimator == "grpo_batch":
+            out[idx] = centred / (batch_std + eps)
         elif estimator == "dr_grpo":
             out[idx] = centred
         elif estimator == "rloo":

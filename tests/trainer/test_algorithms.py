@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from rlbus.common.config import load_config
 from rlbus.trainer.algorithms import (LossConfig, advantages, aggregate, group_relative, kl_estimate, policy_loss,
                                 zero_spread_groups)
 
@@ -24,6 +25,15 @@ def test_dr_grpo_and_rloo():
     assert torch.allclose(advantages(R, G, "dr_grpo"), torch.tensor([0.5, -0.5, -0.5, 0.5, 0.0, 0.0]))
     # RLOO: 1 - mean(0, 0, 1) = 2/3; 0 - mean(1, 0, 1) = -2/3
     assert torch.allclose(advantages(R, G, "rloo"), torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3, 0.0, 0.0]), atol=1e-6)
+
+
+def test_grpo_batch_divides_by_the_std_of_every_reward_in_the_batch():
+    # group means 0.5 and 1; the batch's six rewards have std sqrt(4/15) = 0.5164, all-equal group 1 included
+    a = advantages(R, G, "grpo_batch")
+    assert torch.allclose(a, torch.tensor([0.9682, -0.9682, -0.9682, 0.9682, 0.0, 0.0]), atol=1e-4)
+    assert group_relative("grpo_batch")
+    cfg = load_config(None, ["algorithm.advantage=grpo_batch"], environ={}).algorithm
+    assert not cfg.drops_zero_spread(), "all-equal groups count in the batch's std: kept unless asked"
 
 
 def test_reinforce_pp_normalises_over_the_batch():
