@@ -174,7 +174,7 @@ class Buffer:
         retired = self._try_fetch(peer.identity, msg)
         if retired is not None:
             wait_ms = h.get("wait_ms", 0)
-            if wait_ms > 0:
+            if wait_ms > 0 and not self.drained:  # drained: nothing it could wait for will come
                 self.held.append(HeldFetch(peer.identity, msg, time.time() + wait_ms / 1000, *retired))
             else:
                 self.empty(peer.identity, msg, *retired)
@@ -195,12 +195,15 @@ class Buffer:
             return None
         if batch_index is not None and not self.tasks.batch_resolved(batch_index):
             return 0, 0
+        if batch_index is not None and batch_index * self.tasks.batch_tasks >= self.tasks.next_seq and self.drained:
+            return 0, 0  # a batch past the taskset's end: EMPTY `exhausted`
         groups, expired, skipped = self.store.select(step, h["max_groups"], self.cfg.sync.max_staleness,
                                                      batch_index, h.get("skip_zero_spread", False))
         if expired or skipped:
             log.info("groups_retired", step=step, expired=expired, skipped=skipped)
             self.refill()
-        enough = len(groups) >= h.get("min_groups", 1) or (batch_index is not None)
+        # Once nothing more can come, whatever is left makes the batch, however few its groups.
+        enough = len(groups) >= h.get("min_groups", 1) or batch_index is not None or (groups and self.drained)
         if not enough:
             return expired, skipped
         self.store.deliver(step, groups, {"trainer_step": self.trainer_step}, expired, skipped)
@@ -217,8 +220,14 @@ class Buffer:
         self.out.reply(identity, msg, P.BATCH, {"step": step, "groups": out, "expired": expired, "skipped": skipped},
                     frames)
 
+    @property
+    def drained(self) -> bool:
+        """No group will come any more: the taskset is exhausted, no task is leased, no PUT is being stored."""
+        return self.tasks.exhausted and not self.tasks.leases and not self.store.pending_ids and not self.blocked
+
     def empty(self, identity: bytes, msg: P.Message, expired: int, skipped: int) -> None:
-        self.out.reply(identity, msg, P.EMPTY, {"step": msg.header["step"], "reason": "not_enough_ready_groups",
+        reason = "exhausted" if self.drained else "not_enough_ready_groups"
+        self.out.reply(identity, msg, P.EMPTY, {"step": msg.header["step"], "reason": reason,
                                              "depth": self.store.depth, "expired": expired, "skipped": skipped})
 
     def serve_held(self) -> None:

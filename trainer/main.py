@@ -70,7 +70,7 @@ class Trainer(Learner):
             self.publisher = publisher or make_sender(cfg, weights, model_path, device=str(self.device))
         # How a sharded trainer publishes: its shards copied, then gathered on every rank's publishing thread.
         self.gathered = distributed.Gathered(self.policy, world, getattr(torch, cfg.rollout.dtype)) if world else None
-        self._stop = False
+        self._stop = self.exhausted = False
         self.client: BrokerClient | None = None
         self.broker_version = 0  # the version the broker announced when this trainer joined
         # One thread: weights are written and PUBLISHed in version order while training goes on.
@@ -107,6 +107,10 @@ class Trainer(Learner):
                 break
             if reply.command == P.BATCH:
                 return reply, time.monotonic() - started
+            if reply.header.get("reason") == "exhausted":  # the taskset is done and every group of it trained on
+                log.info("taskset_exhausted", step=self.step, total_steps=c.trainer.total_steps)
+                self.exhausted = True
+                break
             self._tell(Plan("wait"))
             waited = time.monotonic() - started
             if c.sync.sync_style == "async" and header["skip_zero_spread"] and waited > a.informative_wait_s:
@@ -355,8 +359,8 @@ class Trainer(Learner):
             except BrokerUnreachable as exc:
                 self._stopped_without_broker(exc)
             finally:
-                # its last step taken, the run is over: the broker tells the explorers (BYE's `finished`)
-                self.client.close(bye={"finished": True} if self.step >= self.cfg.trainer.total_steps else True)
+                over = self.exhausted or self.step >= self.cfg.trainer.total_steps  # explorers are told so
+                self.client.close(bye={"finished": True} if over else True)
                 self.close()
         log.info("trainer_stopped", step=self.step, policy_version=self.version)
         return done
@@ -375,15 +379,13 @@ def run(cfg: RunConfig) -> None:
         freeze_heap()
         if trainer.main:
             on_stop_signals(trainer.stop)
+            with telemetry.start(cfg, "trainer", cfg.trainer.name):
+                trainer.run()
         else:
             # The other ranks stop when rank 0 says so, at a step's end (a terminal's ^C and hang-up reach every
             # rank); SIGTERM, which only a supervisor sends them, ends them at once.
             for sig in (signal.SIGINT, signal.SIGHUP):
                 signal.signal(sig, signal.SIG_IGN)
-        if trainer.main:
-            with telemetry.start(cfg, "trainer", cfg.trainer.name):
-                trainer.run()
-        else:
             trainer.run()
     except (ConfigError, NoWelcome, BrokerError) as exc:  # a setting it cannot use, no broker, or the broker's
         log.error("trainer_failed", error=str(exc))  # refusal: said in one line, no traceback

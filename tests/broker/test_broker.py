@@ -448,3 +448,37 @@ def test_a_bye_whose_finished_is_not_a_boolean_is_a_bad_field(broker, raw_dealer
     d.send_multipart(P.encode(P.BYE, {"finished": "yes"}))
     reply = recv(d)
     assert reply.command == P.ERROR and reply.header["code"] == "bad_field" and "finished" in reply.header["message"]
+
+
+@pytest.mark.parametrize("style", ["async", "lockstep"])
+def test_once_the_taskset_is_done_and_trained_on_a_fetch_is_told_exhausted_at_once(broker_factory, clients, tmp_path,
+                                                                                    style):
+    """A finite taskset of three tasks, batches of two: the last batch takes what is left, however few its groups
+    (async: a FETCH asking for two gets the one), and the FETCH after it is answered EMPTY `exhausted` at once,
+    though it would wait 30 s, so a trainer whose total_steps the taskset cannot fill does not wait for ever."""
+    path = tmp_path / "tasks.jsonl"
+    path.write_text("".join(f'{{"prompt": "{i} + {i}", "answer": "{2 * i}"}}\n' for i in range(3)))
+    b = broker_factory(f"sync.sync_style={style}", "sync.max_staleness=4", "data.taskset=file", f"data.path={path}",
+                       "data.batch_tasks=2", "rollout.repeat=2")
+    ex = clients(b, "explorer", "ex")
+    tr = clients(b, "trainer", "tr")
+    by_step = {0: (0, 1), 1: (2,)}
+    for step, seqs in by_step.items():
+        if style == "lockstep" and step == 1:
+            tr.request(P.PUBLISH, {"version": 1, "method": "checkpoint", "location": "/w/v1", "digest": "d",
+                                   "step": 1})
+        tasks = ex.request(P.LEASE, {"max_tasks": 2, "policy_version": step}).header["tasks"]
+        assert [t["seq"] for t in tasks] == list(seqs)
+        for t in tasks:
+            ex.put(group(t["lease_id"], 2, version=step, batch=t["batch_index"]), timeout=10)
+        fetch = {"step": step, "max_groups": 2, "wait_ms": 30_000,
+                 **({"batch_index": step} if style == "lockstep" else {"min_groups": 2})}
+        reply = tr.request(P.FETCH, fetch, timeout=10)
+        assert reply.command == P.BATCH and len(reply.header["groups"]) == len(seqs)
+    done = ex.request(P.LEASE, {"max_tasks": 2, "policy_version": 1})
+    assert (done.command, done.header["reason"]) == (P.DONE, "taskset")
+    started = time.monotonic()
+    fetch = {"step": 2, "max_groups": 2, "wait_ms": 30_000, **({"batch_index": 2} if style == "lockstep" else {})}
+    reply = tr.request(P.FETCH, fetch, timeout=10)
+    assert (reply.command, reply.header["reason"]) == (P.EMPTY, "exhausted")
+    assert time.monotonic() - started < 5, "not held: nothing it could wait for will come"

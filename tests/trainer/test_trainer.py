@@ -377,3 +377,27 @@ def test_dr_grpo_aggregation_divides_each_sequences_token_sum_by_the_runs_max_to
     for micro in (12, 5):
         assert figures["seq-mean-token-sum-norm", micro][0] == pytest.approx(loss / 40, rel=1e-4)
         assert figures["seq-mean-token-sum-norm", micro][1] == pytest.approx(norm / 40, rel=1e-3)
+
+
+def test_a_trainer_whose_taskset_runs_out_before_its_last_step_ends_the_run(broker_factory, clients, tiny_model,
+                                                                             tmp_path):
+    """Two tasks, batches of two, total_steps 5: the trainer trains step 0, is told the taskset is exhausted, and
+    ends the run (BYE `finished`) instead of waiting for ever for step 1's batch."""
+    from rlbus.trainer.main import Trainer
+
+    path = tmp_path / "tasks.jsonl"
+    path.write_text('{"prompt": "1 + 1", "answer": "2"}\n{"prompt": "2 + 2", "answer": "4"}\n')
+    finite = ("sync.sync_style=async", "sync.max_staleness=4", "data.taskset=file", f"data.path={path}")
+    b = broker_factory(*finite, "rollout.repeat=4", "data.batch_tasks=2")
+    ex = clients(b, "explorer", "feeder")
+    for lease in ex.request(P.LEASE, {"max_tasks": 2, "policy_version": 0}).header["tasks"]:
+        ex.put(synthetic(lease["lease_id"]), timeout=10)
+    cfg = trainer_config(b, tmp_path, *finite, "trainer.total_steps=5", "trainer.fetch_wait_s=30")
+    with closing(Trainer(cfg, tiny_model)) as trainer, capture_logs() as logs:
+        started = time.monotonic()
+        assert trainer.run() == 1
+    assert time.monotonic() - started < 25, "told at once, not after its 30 s wait"
+    assert [e["step"] for e in logs if e["event"] == "taskset_exhausted"] == [1]
+    assert [e["event"] for e in b.log_events() if e["event"] == "run_finished"] == ["run_finished"]
+    done = ex.request(P.LEASE, {"max_tasks": 1, "policy_version": 0})
+    assert (done.command, done.header["reason"]) == (P.DONE, "finished")
