@@ -44,6 +44,10 @@ def run(cfg: RunConfig) -> None:
         log.error("broker_catalogue_unreadable", error=f"{Path(cfg.buffer_dir()) / catalog.FILE}: {exc}; move the "
                   "buffer directory aside (it holds the run's data) or give another buffer.dir")
         raise SystemExit(1) from None
+    tasks, wanted = len(broker.tasks.taskset), cfg.trainer.total_steps * cfg.data.batch_tasks
+    if 0 < tasks < wanted:  # a finite taskset (0: endless) that cannot fill the run: it ends when they are done
+        log.warning("taskset_short", tasks=tasks, tasks_wanted=wanted, steps=-(-tasks // cfg.data.batch_tasks),
+                    total_steps=cfg.trainer.total_steps, note="the run ends once they are trained on")
     freeze_heap()  # what start-up built (modules, the index restored from disk) is never scanned again
     gc.set_threshold(GC_YOUNG_THRESHOLD, 10, 10)
     serve_metrics(broker)

@@ -482,3 +482,5 @@ def test_once_the_taskset_is_done_and_trained_on_a_fetch_is_told_exhausted_at_on
     reply = tr.request(P.FETCH, fetch, timeout=10)
     assert (reply.command, reply.header["reason"]) == (P.EMPTY, "exhausted")
     assert time.monotonic() - started < 5, "not held: nothing it could wait for will come"
+    short = [e for e in b.log_events() if e["event"] == "taskset_short"]  # said at start: 3 tasks of 200 wanted
+    assert [(e["tasks"], e["tasks_wanted"], e["steps"]) for e in short] == [(3, 200, 2)]
