@@ -172,7 +172,7 @@ class Explorer:
         if not tasks:
             return None
         started = time.monotonic()
-        accuracy = greedy_accuracy(self.engine, tasks, self.reward_fn, self.rollout["max_tokens"])
+        accuracy = greedy_accuracy(self.engine, tasks, self.reward_fn, self.rollout["max_tokens"], self.cfg.reward.fn)
         self.evaluated.add(version)
         metrics.emit("eval", policy_version=version, accuracy=round(accuracy, 4), problems=len(tasks),
                      elapsed_s=round(time.time() - self.started_at, 1), seconds=round(time.monotonic() - started, 2),

@@ -207,12 +207,12 @@ def roll_out(engine, leases: list[dict[str, Any]], **kw) -> list[list[tuple[dict
     return [built[lease["lease_id"]] for lease in leases]
 
 
-def greedy_accuracy(engine, tasks: list[dict[str, Any]], reward_fn: Callable, max_tokens: int) -> float:
-    """The share of `tasks` whose greedy answer scores 1 or more (held-out evaluation)."""
+def greedy_accuracy(engine, tasks: list[dict[str, Any]], reward_fn: Callable, max_tokens: int, name: str) -> float:
+    """The share of `tasks` whose greedy answer scores 1 or more (held-out evaluation), scored as rollouts are."""
     prompts = [engine.chat_prompt([{"role": "user", "content": t["prompt"]}]) for t in tasks]
     outs = engine.generate(prompts, n=1, temperature=0.0, max_tokens=max_tokens)
-    scores = [reward_fn(t, Response(o[0].text, o[0].token_ids)).score for t, o in zip(tasks, outs)]
-    return sum(1 for s in scores if s >= 1.0) / len(scores)
+    results = score_all(reward_fn, tasks, [Response(o[0].text, o[0].token_ids) for o in outs], name)
+    return sum(1 for r in results if r.score >= 1.0) / len(results)
 
 
 def _env_tokens(engine, messages: list[dict[str, str]], reply: str, ended_with_eos: bool, answer: str) -> list[int]:
