@@ -112,6 +112,14 @@ class AlgorithmConfig(Section):
     """How token losses become the batch loss: the mean over the batch's tokens; the mean over sequences of each
     one's token mean, or of its token sum; or of its token sum over rollout.max_tokens (Dr. GRPO's constant, as TRL's
     loss_type dr_grpo)."""
+    mini_batches: int = Field(1, ge=1)
+    """Optimizer steps per pass over a fetched batch: the batch split into this many mini-batches of (nearly) equal
+    samples, in order, each one step (verl's train_batch_size / ppo_mini_batch_size); micro-batches
+    (trainer.micro_batch) within each. Beyond one update per batch the ratio is taken against the policy before the
+    batch's first update, one more forward pass without gradients."""
+    epochs: int = Field(1, ge=1)
+    """Passes over each fetched batch (verl's ppo_epochs, TRL's num_iterations), each of `mini_batches` steps. The
+    learning-rate schedule still moves once per trainer step."""
     loss_denominator: Literal["trained", "batch"] = "trained"
     """What the batch loss is averaged over: the samples trained on, or the whole batch, its all-equal-reward
     groups (dropped by the broker or the trainer) counted as samples of advantage 0, as in TRL's GRPOTrainer,

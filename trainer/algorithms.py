@@ -27,7 +27,8 @@ being the explorer's. w is truncated at `is_cap` (mode `truncate`) or tokens
 with w outside [is_low, is_high] are masked (mode `mask`). With one update per
 fetched batch the proximal policy *is* the current one: its logprobs are the
 current forward's, detached, and the ratio is 1 in value with the gradient of
-log pi.
+log pi. With several (`algorithm.mini_batches`, `algorithm.epochs`) it is the
+policy before the batch's first update (trainer/learner.py).
 """
 
 from __future__ import annotations

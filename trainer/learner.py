@@ -1,11 +1,13 @@
-"""The policy being trained: model, optimizer and schedule, one optimizer step on a batch, training checkpoints.
+"""The policy being trained: model, optimizer and schedule, the optimizer steps on a batch, training checkpoints.
 
 A `Learner` knows nothing of the broker: `rlbus trainer` feeds it batches
-(trainer/main.py) and `rlbus replay` feeds it a run's recorded ones. A step
-runs over micro-batches with gradient accumulation; every forward goes
-through a `Policy` (trainer/distributed.py), the model's root FSDP2 unit
-when the trainer is sharded, where each rank trains its share of the
-micro-batches and the metrics are summed across ranks.
+(trainer/main.py) and `rlbus replay` feeds it a run's recorded ones. A
+trainer step takes one optimizer step on its batch, or `algorithm.epochs` ×
+`algorithm.mini_batches` (PPO's update loop); each runs over micro-batches
+with gradient accumulation. Every forward goes through a `Policy`
+(trainer/distributed.py), the model's root FSDP2 unit when the trainer is
+sharded, where each rank trains its share of the micro-batches and the
+metrics are summed across ranks.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ log = structlog.get_logger()
 
 
 class Learner:
-    """The policy being trained and one optimizer step on a batch, on one process or on this rank of several."""
+    """The policy being trained and the optimizer steps on a batch, on one process or on this rank of several."""
 
     def __init__(self, cfg: RunConfig, model_path: str, world: World | None = None):
         from transformers import AutoTokenizer
@@ -111,60 +113,92 @@ class Learner:
                               enabled=self.autocast is not None)
 
     def train_on(self, batch: Batch, skipped: int = 0) -> dict[str, float]:
-        """One optimizer step over the batch, in micro-batches; returns metrics. `skipped`: samples of
+        """`algorithm.epochs` passes over the batch, each one optimizer step per mini-batch
+        (`algorithm.mini_batches`), every step in micro-batches; returns metrics. `skipped`: samples of
         all-equal groups the broker left out of the batch (for `algorithm.loss_denominator: batch`)."""
-        self.optimizer.zero_grad(set_to_none=True)
+        a = self.cfg.algorithm
+        step = -(-batch.size // min(a.mini_batches, batch.size))
+        parts = [range(lo, min(lo + step, batch.size)) for lo in range(0, batch.size, step)]
+        # One update: the proximal policy is the current one, detached. Several: the policy before the first.
+        prox = self._proximal(batch, parts) if a.epochs * len(parts) > 1 else None
+        sums: Counter[str] = Counter()
+        norms = [self._update(batch, part, prox, skipped, sums) for _ in range(a.epochs) for part in parts]
+        self.scheduler.step()  # the schedule runs in trainer steps, however many updates a batch takes
+        n = max(1, batch.tokens * a.epochs)
+        out = {k: v / n for k, v in sums.items() if k not in ("loss", "forward_tokens")}
+        out.update(loss=sums["loss"] / len(norms), grad_norm=sum(norms) / len(norms),
+                   lr=self.scheduler.get_last_lr()[0], forward_tokens=int(sums["forward_tokens"]))
+        return out
+
+    def _micro(self, batch: Batch, part: range):
+        """This rank's micro-batches of a mini-batch: (slice, counts). A rank with fewer than the others gets
+        (the first one, False): a pass that only keeps the ranks' collectives in step, with weight 0."""
         mb = self.cfg.trainer.micro_batch
+        for index in distributed.micro_batches(-(-len(part) // mb), self.world):
+            start = part.start + (index * mb if index is not None else 0)
+            yield slice(start, min(start + mb, part.stop)), index is not None
+
+    def _logprobs(self, batch: Batch, sl: slice):
+        """The forward of a micro-batch, as `policy(fn, ...)` takes it, and the tokens it forwards."""
+        ids, att = batch.input_ids[sl].to(self.device), batch.attention_mask[sl].to(self.device)
+        if self.shared_prompt:
+            packed = pack(batch.input_ids[sl], batch.attention_mask[sl], batch.prompt_lens[sl])
+            return partial(packed_token_logprobs, packed=packed, input_ids=ids), packed.tokens
+        return partial(token_logprobs, input_ids=ids, attention_mask=att), int(att.sum())
+
+    @torch.no_grad()
+    def _proximal(self, batch: Batch, parts: list[range]) -> torch.Tensor:
+        """Every sample's logprobs under the policy before this batch's first update (the micro-batches this
+        rank trains; zero elsewhere): the proximal policy of every update on the batch."""
+        prox = torch.zeros(batch.loss_mask.shape, dtype=torch.float32)
+        for part in parts:
+            for sl, counts in self._micro(batch, part):
+                logprobs, _ = self._logprobs(batch, sl)
+                with self._autocast():
+                    logp, _ = self.policy(logprobs, temperature=self.temperature,
+                                          positions=batch.loss_mask[sl].to(self.device))
+                if counts:
+                    prox[sl] = logp.float().cpu()
+        return prox
+
+    def _update(self, batch: Batch, part: range, prox: torch.Tensor | None, skipped: int, sums: Counter) -> float:
+        """One optimizer step on the mini-batch `part`, its loss that of the mini-batch alone; adds to `sums`
+        and returns the gradient norm."""
+        self.optimizer.zero_grad(set_to_none=True)
         by_tokens = self.cfg.algorithm.aggregation == "token-mean"
-        total = batch.tokens if by_tokens else batch.size
+        total = int(batch.loss_mask[part.start:part.stop].sum()) if by_tokens else len(part)
         if self.cfg.algorithm.loss_denominator == "batch":
             total *= (batch.fetched_samples + skipped) / batch.size  # the batch's samples, trained or not
-        sums: Counter[str] = Counter()
-        # Sharded, this rank's micro-batches (None: a pass that only keeps the ranks' collectives in step, on
-        # the first micro-batch with weight 0).
-        for index in distributed.micro_batches(-(-batch.size // mb), self.world):
-            counts = index is not None
-            start = index * mb if counts else 0
-            sl = slice(start, start + mb)
-            ids, att = batch.input_ids[sl].to(self.device), batch.attention_mask[sl].to(self.device)
-            mask = batch.loss_mask[sl].to(ids.device)
-            if self.shared_prompt:
-                packed = pack(batch.input_ids[sl], batch.attention_mask[sl], batch.prompt_lens[sl])
-                forward_tokens = packed.tokens
-                logprobs = partial(packed_token_logprobs, packed=packed, input_ids=ids)
-            else:
-                forward_tokens = int(att.sum())
-                logprobs = partial(token_logprobs, input_ids=ids, attention_mask=att)
+        mine: Counter[str] = Counter()
+        for sl, counts in self._micro(batch, part):
+            logprobs, forward_tokens = self._logprobs(batch, sl)
+            mask = batch.loss_mask[sl].to(self.device)
             with self._autocast():
                 logp, entropy = self.policy(logprobs, temperature=self.temperature, with_entropy=True, positions=mask)
                 ref = None
                 if self.reference_policy is not None:
                     with torch.no_grad():
                         ref, _ = self.reference_policy(logprobs, temperature=self.temperature, positions=mask)
-            # One update per batch: the proximal policy is the current one (detached).
-            loss, m = policy_loss(logp, logp.detach(), batch.behaviour_logprobs[sl].to(ids.device),
-                                  batch.advantages[sl].to(ids.device), mask, self.loss_cfg, ref)
+            logp_prox = logp.detach() if prox is None else prox[sl].to(self.device)
+            loss, m = policy_loss(logp, logp_prox, batch.behaviour_logprobs[sl].to(self.device),
+                                  batch.advantages[sl].to(self.device), mask, self.loss_cfg, ref)
             share = (mask.sum().item() if by_tokens else mask.shape[0]) / max(1, total) if counts else 0.0
             (loss * share).backward()
             n_tok = mask.sum().item() if counts else 0
-            sums["entropy"] += float((entropy * mask).sum()) if counts else 0.0
-            sums["loss"] += loss.item() * share
-            sums["forward_tokens"] += forward_tokens if counts else 0
+            mine["entropy"] += float((entropy * mask).sum()) if counts else 0.0
+            mine["loss"] += loss.item() * share
+            mine["forward_tokens"] += forward_tokens if counts else 0
             for k, v in m.items():
-                sums[k] += v * n_tok
+                mine[k] += v * n_tok
         if self.world is not None:  # every rank has the same keys: a weight-0 pass adds them too
-            keys = sorted(sums)
-            sums = Counter(dict(zip(keys, distributed.all_sum([sums[k] for k in keys], self.world))))
+            keys = sorted(mine)
+            mine = Counter(dict(zip(keys, distributed.all_sum([mine[k] for k in keys], self.world))))
+        sums.update(mine)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip)
         if hasattr(grad_norm, "full_tensor"):  # sharded: a DTensor
             grad_norm = grad_norm.full_tensor()
         self.optimizer.step()
-        self.scheduler.step()
-        n = max(1, batch.tokens)
-        out = {k: v / n for k, v in sums.items() if k not in ("loss", "forward_tokens")}
-        out.update(loss=sums["loss"], grad_norm=float(grad_norm), lr=self.scheduler.get_last_lr()[0],
-                   forward_tokens=int(sums["forward_tokens"]))
-        return out
+        return float(grad_norm)
 
     def train_reply(self, reply: P.Message) -> tuple[Batch | None, dict[str, float]]:
         """Decode, check and train on one BATCH (a live step's or a replayed one): the batch and its metrics."""

@@ -24,6 +24,9 @@ pytestmark = pytest.mark.slow  # starts engines or trains
 
 SETS = ("sync.sync_style=async", "sync.max_staleness=100", "rollout.repeat=4", "data.batch_tasks=2")
 METRICS = ("loss", "grad_norm", "entropy", "clip_fraction", "forward_tokens")
+# Two passes of three optimizer steps over each batch of 8 (mini-batches of 3, 3 and 2, a micro-batch each): the
+# proximal forward before the first step, and a rank with no micro-batch of its own in every mini-batch.
+UPDATES = ("algorithm.epochs=2", "algorithm.mini_batches=3")
 
 
 def train(b, run_dir, tiny_model, log, world: int, steps: int, checkpoint_every: int = 2, *extra,
@@ -33,7 +36,7 @@ def train(b, run_dir, tiny_model, log, world: int, steps: int, checkpoint_every:
     launcher = (str(Path(sys.executable).with_name("torchrun")), f"--nproc-per-node={world}",
                 f"--master-port={free_port()}", "-m") if torchrun else (sys.executable, "-m")
     proc = start_trainer(b, run_dir, tiny_model, log, steps, checkpoint_every, f"trainer.world_size={world}",
-                         *extra, stderr=err, env=env, launcher=launcher)
+                         *UPDATES, *extra, stderr=err, env=env, launcher=launcher)
     assert proc.wait(300) == 0, open(f"{log}.err", errors="replace").read()[-3000:]
 
 

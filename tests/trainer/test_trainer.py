@@ -401,3 +401,56 @@ def test_a_trainer_whose_taskset_runs_out_before_its_last_step_ends_the_run(brok
     assert [e["event"] for e in b.log_events() if e["event"] == "run_finished"] == ["run_finished"]
     done = ex.request(P.LEASE, {"max_tasks": 1, "policy_version": 0})
     assert (done.command, done.header["reason"]) == (P.DONE, "finished")
+
+
+@pytest.mark.parametrize("epochs, mini_batches, micro", [(2, 1, 12), (1, 3, 12), (2, 2, 5)])
+def test_several_updates_per_batch_are_ppos_loop_written_out(tiny_model, tmp_path, epochs, mini_batches, micro):
+    """`algorithm.epochs` passes of `algorithm.mini_batches` optimizer steps over one batch leave the weights that
+    PPO's update loop written out plainly leaves (as verl's update_policy): the old logprobs taken once, before the
+    first step; each mini-batch, in order, its own token-mean clipped loss weighted by the truncated importance
+    weight old / behaviour, and an AdamW step on the clipped gradient."""
+    from transformers import AutoModelForCausalLM
+    from tests.trainer.test_packing import example
+    from rlbus.trainer.main import Trainer
+
+    batch = example(seed=5)  # 12 samples of 3 prompts
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    ids, att, mask = batch.input_ids, batch.attention_mask, batch.loss_mask.bool()
+
+    def logp(rows):
+        logits = model(input_ids=ids[rows], attention_mask=att[rows]).logits[:, :-1].float()
+        return torch.log_softmax(logits, -1).gather(-1, ids[rows, 1:, None]).squeeze(-1)
+
+    with torch.no_grad():
+        old = logp(slice(None))
+    # the explorer's logprobs a little off the trainer's: importance weights e^0.3 (under the cap) and e^-0.3
+    sign = torch.where(torch.arange(len(ids))[:, None] % 2 == 0, 1.0, -1.0)
+    batch.behaviour_logprobs = torch.where(mask, old - 0.3 * sign, torch.zeros_like(old))
+    cfg = load_config(None, [f"run.dir={tmp_path}/run", "trainer.lr=5e-3", f"trainer.micro_batch={micro}",
+                             "trainer.shared_prompt=false", f"algorithm.epochs={epochs}",
+                             f"algorithm.mini_batches={mini_batches}", "rollout.dtype=float32"], environ={})
+    with closing(Trainer(cfg, tiny_model)) as trainer:
+        metrics = trainer.train_on(batch)
+        trained = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3, weight_decay=cfg.trainer.weight_decay)
+    size = -(-len(ids) // mini_batches)
+    clipped = 0
+    for _ in range(epochs):
+        for lo in range(0, len(ids), size):
+            rows = slice(lo, lo + size)
+            optimizer.zero_grad()
+            ratio = torch.exp(logp(rows) - old[rows])
+            a = batch.advantages[rows, None]
+            weight = torch.exp(old[rows] - batch.behaviour_logprobs[rows]).clamp(max=cfg.algorithm.is_cap)
+            per_token = torch.maximum(-a * ratio, -a * ratio.clamp(0.8, 1.2)) * weight
+            loss = per_token[mask[rows]].sum() / mask[rows].sum()
+            loss.backward()
+            clipped += int(((ratio - 1).abs() > 0.2)[mask[rows]].sum())
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.grad_clip)
+            optimizer.step()
+    assert clipped > 0, "the later steps' ratios leave the clip range: the test sees the proximal policy"
+    by_hand = model.state_dict()
+    worst = max(float((trained[k] - by_hand[k]).abs().max()) for k in by_hand)
+    assert worst < 2e-5, worst
+    assert metrics["clip_fraction"] > 0
