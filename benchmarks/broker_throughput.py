@@ -273,7 +273,7 @@ def decode_us(per_put: int, repeat: int) -> tuple[float, float]:
 
 def store_alone_mb_per_s(data_dir: Path, payload: bytes, per_put: int, puts: int, per_commit: int) -> float:
     """The broker's storage path alone, in this process, every PUT's frame already in memory (no socket, no
-    producer): `Store.put` places, stages, writes direct, syncs and catalogues `per_commit` PUTs a group
+    producer): `Store.put` places, writes direct, syncs and catalogues `per_commit` PUTs a group
     commit, as the writer thread does for every PUT in flight at once."""
     from rlbus.broker.store import Store
 

@@ -9,8 +9,12 @@ new segment past them.
 With `fsync` on, writes bypass the page cache (O_DIRECT): every write is
 synced anyway, and copying the bytes into the page cache costs the kernel
 several times the CPU of staging them in an aligned buffer. O_DIRECT needs
-offsets and lengths in whole blocks, so each group commit starts on a block
-boundary (`align`) and its last block is padded with zeros. A filesystem
+offsets, lengths and memory in whole blocks, so each group commit starts on
+a block boundary (`align`) and its last block is padded with zeros. A large
+PUT is placed at the offset within a block that its frame has in memory
+(`start_chunk`), so the whole blocks of its payloads are written from the
+frame itself, and only the bytes at its two ends, and small PUTs, are
+copied into an aligned buffer: one system call for all. A filesystem
 without O_DIRECT (tmpfs, some network and overlay filesystems) gets the
 buffered path, logged once.
 """
@@ -22,13 +26,16 @@ import mmap
 import os
 from pathlib import Path
 
+import numpy as np
 import structlog
 from zlib_ng import zlib_ng
 
 log = structlog.get_logger()
 
 ALIGN = 4096  # O_DIRECT offsets, lengths and buffer addresses: whole blocks (4 KB covers 512 B and 4 KB devices)
-STAGE_BYTES = 8 << 20  # the aligned buffer direct writes go through, in pieces of at most this
+STAGE_BYTES = 8 << 20  # the aligned buffer direct writes copy bytes into, written when full
+DIRECT_MIN = 4 * ALIGN  # smaller payloads are copied whatever their place: not worth another piece
+LIE_LIKE_MIN = 64 * ALIGN  # a chunk placed for direct writes from memory wastes under 1/64 of it
 _ZEROS = bytes(ALIGN)
 
 # zlib's CRC-32, from zlib-ng: the same values (segments written before read back as they were), computed
@@ -59,10 +66,17 @@ class SegmentLog:
         if self.direct:
             self.offset = -(-self.offset // ALIGN) * ALIGN
 
-    def start_chunk(self) -> None:
-        """A chunk's payloads stay in one segment: roll over to a new one first if this one is full."""
+    def start_chunk(self, first: memoryview | bytes = b"", size: int = 0) -> None:
+        """A chunk's payloads stay in one segment: roll over to a new one first if this one is full.
+
+        Direct writes: a chunk of at least `LIE_LIKE_MIN` bytes (`size`) goes at the offset within a block
+        that its `first` payload has in memory, so that the whole blocks of its payloads (back to back in a
+        PUT's frame) are written from there, not copied; the gap before it, under a block, is never read.
+        """
         if self.offset >= self.segment_bytes:
             self.segment, self.offset = self.segment + 1, 0
+        if self.direct and size >= LIE_LIKE_MIN:
+            self.offset += (address(memoryview(first)) - self.offset) % ALIGN
 
     def place(self, size: int) -> tuple[int, int]:
         """(segment, offset) where the next payload of `size` bytes goes."""
@@ -121,50 +135,37 @@ class SegmentLog:
         return self._writer_fd(segment)
 
     def _write_direct(self, fd: int, runs: list[Run]) -> None:
-        """Write runs through the aligned staging buffer, in whole blocks.
+        """Write runs in whole blocks: a payload's whole blocks from where it lies in memory when it lies at
+        the offset within a block it has in the file (`start_chunk` placed it so), every other byte through the
+        aligned staging buffer.
 
         Runs closer than a block are written as one, with zeros between them (the padding of the
-        earlier run's last block); every other run starts on a block boundary, as `align` placed it.
+        earlier run's last block); every other run is written from the start of its first block, zeros
+        before it (a group commit starts on a block of its own, `align`, up to a block before its first run).
         """
         if self._stage is None:
             self._stage = mmap.mmap(-1, STAGE_BYTES)  # page-aligned, as O_DIRECT needs
-        stage = memoryview(self._stage)
-        base, used = runs[0][0], 0  # `stage[:used]` holds the file's bytes from `base`
-
-        def add(data: memoryview) -> None:
-            nonlocal base, used
-            while len(data):
-                n = min(len(data), STAGE_BYTES - used)
-                stage[used:used + n] = data[:n]
-                used += n
-                data = data[n:]
-                if used == STAGE_BYTES:
-                    _pwrite_all(fd, stage, base)
-                    base, used = base + STAGE_BYTES, 0
-
-        def flush() -> None:
-            nonlocal used
-            if used:
-                end = -(-used // ALIGN) * ALIGN
-                stage[used:end] = _ZEROS[:end - used]
-                _pwrite_all(fd, stage[:end], base)
-                used = 0
-
+        out = _Blocks(fd, memoryview(self._stage), runs[0][0] - runs[0][0] % ALIGN)
         try:
             for offset, payloads in runs:
-                gap = offset - (base + used)
-                if 0 <= gap < ALIGN:
-                    add(memoryview(_ZEROS)[:gap])
-                else:
-                    flush()
-                    if offset % ALIGN:
-                        raise ValueError(f"a direct write must start on a block boundary, not at {offset}")
-                    base = offset
+                gap = offset - out.end
+                if not 0 <= gap < ALIGN:  # from the block it starts in, which holds nothing before it
+                    out.write(pad=True)
+                    out.base, gap = offset - offset % ALIGN, offset % ALIGN
+                out.copy(memoryview(_ZEROS)[:gap])
                 for payload in payloads:
-                    add(memoryview(payload).cast("B"))
-            flush()
+                    view = memoryview(payload).cast("B")
+                    head = (-address(view)) % ALIGN if len(view) >= DIRECT_MIN else -1
+                    if head < 0 or (out.end + head) % ALIGN:
+                        out.copy(view)
+                        continue
+                    whole = head + (len(view) - head) // ALIGN * ALIGN
+                    out.copy(view[:head])
+                    out.direct(view[head:whole])
+                    out.copy(view[whole:])
+            out.write(pad=True)
         finally:
-            stage.release()
+            out.release()
 
     def read(self, segment: int, offset: int, length: int, crc: int, what: str) -> bytes:
         fd = self._readers.get(segment)
@@ -187,24 +188,76 @@ class SegmentLog:
             self._stage = None
 
 
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    """Write whole blocks from an aligned buffer; a short direct write that leaves a part block fails."""
-    while len(data):
-        written = os.pwrite(fd, data, offset)
-        if written <= 0 or (written < len(data) and written % ALIGN):
-            raise OSError(errno.EIO, f"direct write of {len(data)} bytes at offset {offset} wrote {written}")
-        data, offset = data[written:], offset + written
+def address(view: memoryview) -> int:
+    """Where a buffer's first byte lies in memory."""
+    return np.frombuffer(view, np.uint8).ctypes.data if len(view) else 0
 
 
-def _write_all(fd: int, buffers: list[bytes | memoryview], offset: int) -> None:
-    """Write every buffer in order from `offset`, with as few system calls as the OS allows."""
+class _Blocks:
+    """The file's bytes from `base` on, gathered for one system call in whole blocks at aligned addresses:
+    pieces of the staging buffer (bytes copied there) and a payload's own whole blocks (no copy)."""
+
+    def __init__(self, fd: int, stage: memoryview, base: int):
+        self.fd, self.stage, self.base = fd, stage, base
+        self.pieces: list[memoryview] = []
+        self.gathered = 0  # bytes in `pieces`
+        self.start = self.used = 0  # the open piece: stage[start:used], after `pieces` in the file
+
+    @property
+    def end(self) -> int:
+        """The file offset of the next byte."""
+        return self.base + self.gathered + self.used - self.start
+
+    def copy(self, data: memoryview) -> None:
+        while len(data):
+            n = min(len(data), len(self.stage) - self.used)
+            self.stage[self.used:self.used + n] = data[:n]
+            self.used += n
+            data = data[n:]
+            if self.used == len(self.stage):
+                self.write()
+
+    def direct(self, blocks: memoryview) -> None:
+        """Whole blocks at an aligned address, to go at `end`, a block boundary."""
+        self._close()
+        self.pieces.append(blocks)
+        self.gathered += len(blocks)
+
+    def _close(self) -> None:
+        if self.used > self.start:  # the open piece starts on a block boundary of the stage and ends on one
+            self.pieces.append(self.stage[self.start:self.used])
+            self.gathered += self.used - self.start
+            self.start = self.used
+
+    def write(self, pad: bool = False) -> None:
+        """Write what is gathered (`pad`: its last block filled with zeros first); the stage is free again."""
+        if pad:
+            end = -(-self.used // ALIGN) * ALIGN
+            self.stage[self.used:end] = _ZEROS[:end - self.used]
+            self.used = end
+        self._close()
+        if self.pieces:
+            _write_all(self.fd, self.pieces, self.base, blocks=True)
+        self.base += self.gathered
+        self.pieces, self.gathered, self.start, self.used = [], 0, 0, 0
+
+    def release(self) -> None:
+        self.pieces = []
+        self.stage.release()
+
+
+def _write_all(fd: int, buffers: list[bytes | memoryview], offset: int, blocks: bool = False) -> None:
+    """Write every buffer in order from `offset`, with as few system calls as the OS allows; `blocks`: a
+    direct write, where a short write that leaves a part block fails."""
     limit = os.sysconf("SC_IOV_MAX")
     pending = [v for v in (memoryview(b).cast("B") for b in buffers) if len(v)]  # empty payloads add nothing
     i = 0
     while i < len(pending):
         written = os.pwritev(fd, pending[i:i + limit], offset)
         if written <= 0:
-            raise OSError(f"pwritev wrote nothing at offset {offset} of a segment")
+            raise OSError(errno.EIO, f"pwritev wrote nothing at offset {offset} of a segment")
+        if blocks and written % ALIGN:
+            raise OSError(errno.EIO, f"a direct write at offset {offset} wrote {written} bytes, not whole blocks")
         offset += written
         while written:
             n = len(pending[i])

@@ -184,7 +184,7 @@ class Store:
         self.segments.align()
         ids, pending, planned = self.ids, self.pending_ids, job.ids
         for items in batches:
-            self.segments.start_chunk()
+            self.segments.start_chunk(items[0][1] if items else b"", sum(len(p) for _, p in items))
             segment, start = self.segments.place(0)  # a chunk's payloads go back to back from here
             offset = start
             chunk = []

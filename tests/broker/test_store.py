@@ -11,6 +11,7 @@ import os
 import random
 import zlib
 
+import numpy as np
 import pytest
 
 from rlbus.broker import segments, store as S
@@ -43,30 +44,27 @@ def test_empty_payloads_are_stored_and_read_back(tmp_path):
     assert reopened(tmp_path) == {"e.0": b"", "e.1": b"", "f.0": b"payload-of-f.0", "f.1": b"payload-of-f.1"}
 
 
-@pytest.mark.parametrize("fsync, call", [("group", "pwrite"), ("off", "pwritev")])
-def test_a_failed_write_leaves_earlier_and_later_data_intact(tmp_path, monkeypatch, fsync, call):
+@pytest.mark.parametrize("fsync", ["group", "off"])
+def test_a_failed_write_leaves_earlier_and_later_data_intact(tmp_path, monkeypatch, fsync):
     """A write that fails half way (ENOSPC) is refused; the next writes land where their metadata says.
 
-    With fsync the segment log writes directly (os.pwrite of aligned blocks), without it through the
-    page cache (os.pwritev)."""
+    With fsync the segment log writes directly (aligned blocks), without it through the page cache."""
     store = S.Store(tmp_path, fsync=fsync, cache_bytes=0)
     assert store.segments.direct == (fsync == "group")
     put(store, "before")
-    real = getattr(os, call)
+    real = os.pwritev
     calls = {"n": 0}
 
     def half_then_fail(fd, data, offset):
         calls["n"] += 1
-        if call == "pwritev":
-            real(fd, [bytes(data[0])[:3]], offset)  # a partial append...
-        else:
-            real(fd, data[:segments.ALIGN], offset)  # a first block...
+        # a first block of a direct write, a partial append of a buffered one...
+        real(fd, [data[0][:segments.ALIGN] if store.segments.direct else bytes(data[0])[:3]], offset)
         raise OSError(errno.ENOSPC, "No space left on device")  # ...then the disk is full
 
-    monkeypatch.setattr(segments.os, call, half_then_fail)
+    monkeypatch.setattr(segments.os, "pwritev", half_then_fail)
     with pytest.raises(OSError):
         put(store, "lost")
-    monkeypatch.setattr(segments.os, call, real)
+    monkeypatch.setattr(segments.os, "pwritev", real)
     assert calls["n"] == 1
     put(store, "after")
     assert set(readable(store)) == {"before.0", "before.1", "after.0", "after.1"}
@@ -206,3 +204,51 @@ def test_no_sample_joins_a_group_that_is_stored_whole_or_being_written(tmp_path)
     metas = [m for m, _ in group("w", size=2)]
     assert refusal(store, [metas[1]]) == [None]
     assert "has all its 2 samples" in refusal(store, [dict(metas[1], id="w.7")], [dict(metas[1], id="w.8")])[1]
+
+
+def test_a_large_put_is_written_from_its_frame_and_a_small_one_stays_back_to_back(tmp_path, monkeypatch):
+    """Direct writes: a PUT of 256 KB or more goes at the offset within a block that its frame has in memory
+    (here 56 bytes past a page, as a message buffer lies), so only the bytes at its ends are copied into the
+    staging buffer; a small PUT goes where the last one ended. A resend inside a frame breaks its payloads in
+    two pieces, the second no longer where its place wants it: copied. Everything reads back whole."""
+    copied = []
+    real_copy = segments._Blocks.copy
+    monkeypatch.setattr(segments._Blocks, "copy", lambda self, data: (copied.append(len(data)), real_copy(self, data)))
+    store = S.Store(tmp_path, cache_bytes=0)
+    rng = random.Random(3)
+    expected = {}
+
+    def frame(gid: str, sizes: list[int], skip: int = 0):
+        metas = [m for m, _ in group(gid, size=len(sizes))]
+        payloads = [rng.randbytes(n) for n in sizes]
+        joined = P.join_payloads(metas, payloads)
+        memory = np.zeros(len(joined) + 2 * segments.ALIGN, np.uint8)
+        at = (-memory.ctypes.data) % segments.ALIGN + 56  # 56 bytes past a block
+        message = memory[at:at + len(joined)]  # an object of its own, as a received frame is
+        message[:] = np.frombuffer(joined, np.uint8)
+        views = P.split_payloads(metas, memoryview(message))
+        expected.update((m["id"], p) for m, p in zip(metas, payloads))
+        return list(zip(metas, views))[skip:]
+
+    big = frame("big", [100_000, 100_001, 100_002])
+    job = store.prepare([big])
+    store.write([job])
+    store.finish(job)
+    first = job.chunks[0][0]
+    assert first.offset % segments.ALIGN == 56, "placed as it lies in memory"
+    assert sum(copied) < 2 * segments.ALIGN, copied
+    copied.clear()
+    small = frame("small", [300, 301])
+    job = store.prepare([small])
+    assert job.chunks[0][0].offset % segments.ALIGN == 0, "a group commit starts on a block; a small PUT stays there"
+    store.write([job])
+    store.finish(job)
+    assert sum(copied) == 601
+    copied.clear()
+    resent = frame("resent", [120_000] * 3)
+    store.put([resent[:1]])  # the first payload alone (small: copied), then the whole frame again
+    store.put([resent])
+    assert sum(copied) >= 3 * 120_000, "the other two lie 120,000 bytes past where the frame's place wants them"
+    assert readable(store) == expected
+    store.close()
+    assert reopened(tmp_path) == expected
