@@ -132,7 +132,7 @@ class AlgorithmConfig(Section):
 
 class SyncConfig(Section):
     sync_interval: int = Field(1, ge=1)
-    """I: the trainer publishes weights every I optimizer steps."""
+    """I: the trainer publishes weights every I trainer steps (one fetched batch each)."""
     sync_offset: int = Field(0, ge=0)
     """O: explorer batches run ahead of the first sync."""
     sync_style: Literal["lockstep", "async"] = "lockstep"
