@@ -87,6 +87,10 @@ class AlgorithmConfig(Section):
     """PPO clip: ratio floor 1 - clip_low."""
     clip_high: float = Field(0.2, ge=0)
     """PPO clip: ratio ceiling 1 + clip_high."""
+    ratio_level: Literal["token", "sequence"] = "token"
+    """The PPO ratio pi / pi_proximal per token, or per sequence (GSPO: its tokens' geometric mean, clipped as one; as
+    TRL's importance_sampling_level sequence and verl's gspo, with clip ranges near 3e-4, 4e-4). Not 1 only with
+    several updates per batch (mini_batches, epochs)."""
     dual_clip: float | None = Field(None, gt=1)
     """Dual clip c: bounds the loss of negative-advantage tokens by -c * A (off when unset)."""
     is_mode: Literal["truncate", "mask"] = "truncate"
@@ -113,10 +117,9 @@ class AlgorithmConfig(Section):
     one's token mean, or of its token sum; or of its token sum over rollout.max_tokens (Dr. GRPO's constant, as TRL's
     loss_type dr_grpo)."""
     mini_batches: int = Field(1, ge=1)
-    """Optimizer steps per pass over a fetched batch: the batch split into this many mini-batches of (nearly) equal
-    samples, in order, each one step (verl's train_batch_size / ppo_mini_batch_size); micro-batches
-    (trainer.micro_batch) within each. Beyond one update per batch the ratio is taken against the policy before the
-    batch's first update, one more forward pass without gradients."""
+    """Optimizer steps per pass over a fetched batch, each on a mini-batch of (nearly) equal samples in order (verl's
+    train_batch_size / ppo_mini_batch_size), in micro-batches. Beyond one update a batch, the ratio is to the policy
+    before the batch's first update: one more forward pass, without gradients."""
     epochs: int = Field(1, ge=1)
     """Passes over each fetched batch (verl's ppo_epochs, TRL's num_iterations), each of `mini_batches` steps. The
     learning-rate schedule still moves once per trainer step."""

@@ -29,6 +29,15 @@ fetched batch the proximal policy *is* the current one: its logprobs are the
 current forward's, detached, and the ratio is 1 in value with the gradient of
 log pi. With several (`algorithm.mini_batches`, `algorithm.epochs`) it is the
 policy before the batch's first update (trainer/learner.py).
+
+`ratio_level: sequence` is GSPO's ratio: every token of a sequence takes the
+exp of the mean, over its response tokens, of log pi - log pi_proximal, and
+is clipped with it (the whole sequence in or out of the clip range), as
+TRL's `importance_sampling_level: sequence` and verl's `gspo` loss. The
+gradient of a sequence's tokens is then its ratio times the sum of their
+log pi gradients (over token-mean aggregation), where a token ratio weighs
+each token by its own. The importance weight to the behaviour policy stays
+per token.
 """
 
 from __future__ import annotations
@@ -143,6 +152,7 @@ class LossConfig:
     kl_clamp: float | None = None  # bound on each token's KL estimate (beyond it, no gradient)
     aggregation: str = "token-mean"
     max_tokens: int = 1  # the constant of `seq-mean-token-sum-norm`: rollout.max_tokens
+    ratio_level: str = "token"  # or "sequence" (GSPO): each token's ratio is its sequence's geometric mean
 
 
 def policy_loss(logp: torch.Tensor, logp_prox: torch.Tensor, logp_behaviour: torch.Tensor, adv: torch.Tensor,
@@ -156,7 +166,12 @@ def policy_loss(logp: torch.Tensor, logp_prox: torch.Tensor, logp_behaviour: tor
     mask = mask.bool()
     response = mask  # every response token: the denominator of aggregation and of the fractions below
     a = adv[:, None].to(logp.dtype)
-    ratio = torch.exp(logp - logp_prox.detach())
+    log_ratio = logp - logp_prox.detach()
+    if cfg.ratio_level == "sequence":  # GSPO: exp of the mean log-ratio over the sequence's response tokens
+        log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1))[:, None].expand_as(logp)
+    elif cfg.ratio_level != "token":
+        raise ValueError(f"unknown ratio level {cfg.ratio_level!r}")
+    ratio = torch.exp(log_ratio)
     unclipped = -a * ratio
     clipped = -a * ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high)
     per_token = torch.maximum(unclipped, clipped)

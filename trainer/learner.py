@@ -92,7 +92,8 @@ class Learner:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, partial(lr_factor, t))
         self.loss_cfg = LossConfig(a.clip_low, a.clip_high, a.dual_clip, a.is_mode, a.is_cap, a.is_low, a.is_high,
-                                   a.kl_coef, a.kl_kind, a.kl_clamp, a.aggregation, cfg.rollout.max_tokens)
+                                   a.kl_coef, a.kl_kind, a.kl_clamp, a.aggregation, cfg.rollout.max_tokens,
+                                   a.ratio_level)
         self.ckpt_dir = Path(cfg.run.dir) / "checkpoints"
         self.step = 0
         self.version = 0

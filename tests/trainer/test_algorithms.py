@@ -150,6 +150,43 @@ def test_ppo_clip_with_positive_and_negative_advantage():
     assert loss.item() == pytest.approx(math.exp(0.5)) and m["clip_fraction"] == 0.0
 
 
+def test_sequence_ratio_is_gspos_as_trl_writes_it():
+    """`ratio_level: sequence` against TRL's GRPO loss with importance_sampling_level sequence, written out: one
+    ratio per sequence, exp of the masked mean log-ratio, clipped as one; the same loss and gradients. Sequences
+    of different lengths (padding masked), both signs of advantage, some inside the clip range and some out."""
+    torch.manual_seed(0)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]], dtype=torch.bool)
+    old = -torch.rand(4, 4) * 3
+    new = old + torch.tensor([[2e-4], [-1e-3], [5e-5], [3e-3]]) + torch.randn(4, 4) * 1e-4
+    adv = torch.tensor([1.0, -0.5, 2.0, 1.5])
+    low, high = 3e-4, 4e-4
+    mine = new.clone().requires_grad_(True)
+    loss, m = policy_loss(mine, old, old, adv, mask, LossConfig(clip_low=low, clip_high=high, ratio_level="sequence"))
+    loss.backward()
+
+    theirs = new.clone().requires_grad_(True)
+    log_ratio = theirs - old
+    log_weights = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    coef_1 = torch.exp(log_weights)
+    coef_2 = torch.clamp(coef_1, 1 - low, 1 + high)
+    per_token = -torch.min(coef_1 * adv.unsqueeze(1), coef_2 * adv.unsqueeze(1))
+    expected = (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+    expected.backward()
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+    assert torch.allclose(mine.grad, theirs.grad, atol=1e-7)
+    clipped = [bool(c) for c in (coef_1.squeeze(1) - 1).abs() > torch.tensor([high, low, high, high])]
+    assert clipped == [False, True, False, True], "the case covers sequences inside and outside the range"
+    assert m["clip_fraction"] == pytest.approx((2 + 1) / 10)  # the second's two tokens and the fourth's one
+    # One update per batch, on policy (proximal and behaviour policies the current one): token ratios' gradient.
+    grads = {}
+    for level in ("sequence", "token"):
+        logp = new.clone().requires_grad_(True)
+        policy_loss(logp, logp.detach(), logp.detach(), adv, mask, LossConfig(ratio_level=level))[0].backward()
+        grads[level] = logp.grad
+    assert torch.allclose(grads["sequence"], grads["token"], atol=1e-7)
+    assert grads["token"].abs().sum() > 0
+
+
 def test_dual_clip_bounds_negative_advantage_losses():
     # ratio = e^2 = 7.389, A = -1: PPO gives 7.389, dual clip c=3 bounds it at 3
     loss, _ = one_token(1.0, -1.0, -1.0, -1.0, dual_clip=3.0)
