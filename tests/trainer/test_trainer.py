@@ -403,12 +403,14 @@ def test_a_trainer_whose_taskset_runs_out_before_its_last_step_ends_the_run(brok
     assert (done.command, done.header["reason"]) == (P.DONE, "finished")
 
 
-@pytest.mark.parametrize("epochs, mini_batches, micro", [(2, 1, 12), (1, 3, 12), (2, 2, 5)])
-def test_several_updates_per_batch_are_ppos_loop_written_out(tiny_model, tmp_path, epochs, mini_batches, micro):
+@pytest.mark.parametrize("epochs, mini_batches, micro, level", [(2, 1, 12, "token"), (1, 3, 12, "token"),
+                                                                 (2, 2, 5, "token"), (2, 2, 5, "sequence")])
+def test_several_updates_per_batch_are_ppos_loop_written_out(tiny_model, tmp_path, epochs, mini_batches, micro,
+                                                             level):
     """`algorithm.epochs` passes of `algorithm.mini_batches` optimizer steps over one batch leave the weights that
     PPO's update loop written out plainly leaves (as verl's update_policy): the old logprobs taken once, before the
     first step; each mini-batch, in order, its own token-mean clipped loss weighted by the truncated importance
-    weight old / behaviour, and an AdamW step on the clipped gradient."""
+    weight old / behaviour, and an AdamW step on the clipped gradient. `sequence`: GSPO's ratio, one a sequence."""
     from transformers import AutoModelForCausalLM
     from tests.trainer.test_packing import example
     from rlbus.trainer.main import Trainer
@@ -428,7 +430,8 @@ def test_several_updates_per_batch_are_ppos_loop_written_out(tiny_model, tmp_pat
     batch.behaviour_logprobs = torch.where(mask, old - 0.3 * sign, torch.zeros_like(old))
     cfg = load_config(None, [f"run.dir={tmp_path}/run", "trainer.lr=5e-3", f"trainer.micro_batch={micro}",
                              "trainer.shared_prompt=false", f"algorithm.epochs={epochs}",
-                             f"algorithm.mini_batches={mini_batches}", "rollout.dtype=float32"], environ={})
+                             f"algorithm.mini_batches={mini_batches}", f"algorithm.ratio_level={level}",
+                             "rollout.dtype=float32"], environ={})
     with closing(Trainer(cfg, tiny_model)) as trainer:
         metrics = trainer.train_on(batch)
         trained = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
@@ -440,7 +443,11 @@ def test_several_updates_per_batch_are_ppos_loop_written_out(tiny_model, tmp_pat
         for lo in range(0, len(ids), size):
             rows = slice(lo, lo + size)
             optimizer.zero_grad()
-            ratio = torch.exp(logp(rows) - old[rows])
+            log_ratio = logp(rows) - old[rows]
+            if level == "sequence":
+                m = mask[rows]
+                log_ratio = ((log_ratio * m).sum(-1) / m.sum(-1))[:, None].expand_as(log_ratio)
+            ratio = torch.exp(log_ratio)
             a = batch.advantages[rows, None]
             weight = torch.exp(old[rows] - batch.behaviour_logprobs[rows]).clamp(max=cfg.algorithm.is_cap)
             per_token = torch.maximum(-a * ratio, -a * ratio.clamp(0.8, 1.2)) * weight
