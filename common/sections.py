@@ -89,8 +89,8 @@ class AlgorithmConfig(Section):
     """PPO clip: ratio ceiling 1 + clip_high."""
     ratio_level: Literal["token", "sequence"] = "token"
     """The PPO ratio pi / pi_proximal per token, or per sequence (GSPO: its tokens' geometric mean, clipped as one; as
-    TRL's importance_sampling_level sequence and verl's gspo, with clip ranges near 3e-4, 4e-4). Not 1 only with
-    several updates per batch (mini_batches, epochs)."""
+    TRL's importance_sampling_level sequence and verl's gspo, with clip ranges near 3e-4, 4e-4). It is 1 in value
+    with one update per batch; it moves with several (mini_batches, epochs)."""
     dual_clip: float | None = Field(None, gt=1)
     """Dual clip c: bounds the loss of negative-advantage tokens by -c * A (off when unset)."""
     is_mode: Literal["truncate", "mask"] = "truncate"
