@@ -195,7 +195,7 @@ class Buffer:
             return None
         if batch_index is not None and not self.tasks.batch_resolved(batch_index):
             return 0, 0
-        if batch_index is not None and batch_index * self.tasks.batch_tasks >= self.tasks.next_seq and self.drained:
+        if batch_index is not None and self.tasks.past_end(batch_index) and self.drained:
             return 0, 0  # a batch past the taskset's end: EMPTY `exhausted`
         groups, expired, skipped = self.store.select(step, h["max_groups"], self.cfg.sync.max_staleness,
                                                      batch_index, h.get("skip_zero_spread", False))

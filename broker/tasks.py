@@ -210,6 +210,10 @@ class TaskQueue:
             return None
         return self.batch_of(self.next_seq)
 
+    def past_end(self, batch_index: int) -> bool:
+        """The batch lies wholly past the end of the taskset, which is exhausted: no task of it will ever be."""
+        return self.exhausted and batch_index * self.batch_tasks >= self.next_seq
+
     def batch_resolved(self, batch_index: int) -> bool:
         """Every task of the batch has a stored group (or lies past the end of the taskset)."""
         first = batch_index * self.batch_tasks
