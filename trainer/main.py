@@ -9,8 +9,9 @@ Step t (0-based) trains the policy of version t and produces version t + 1:
    for group-relative advantages, all-equal-reward ones.
 2. Check and pad the trajectories (trainer/batch.py), compute advantages,
    and take one optimizer step (or `algorithm.epochs` × `mini_batches`)
-   over micro-batches with gradient accumulation. A batch with nothing left to train on still counts as the
-   step (no update), so lockstep explorers are never left waiting.
+   over micro-batches with gradient accumulation. A batch with nothing left
+   to train on still counts as the step (no update), so lockstep explorers
+   are never left waiting.
 3. Every `sync_interval` steps publish the weights (a sender of rlbus.weights.sync).
 4. Every `checkpoint_every` steps save a training checkpoint and COMMIT the
    steps it covers; a restarted trainer resumes from it and the broker
