@@ -57,8 +57,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.harness import (Run, at_least, broker_process, cpu_seconds, disk_fdatasync_mb_per_s,  # noqa: E402
-                                relay)
+from benchmarks.harness import (Run, at_least, broker_process, by_role, cpu_seconds,  # noqa: E402
+                                disk_fdatasync_mb_per_s, relay, thread_cpu_by_role)
 
 GROUP = 8  # samples per group (repeat)
 BATCH_GROUPS = 64  # groups of one explorer batch (data.batch_tasks), as many as the consumer FETCHes a step
@@ -238,13 +238,14 @@ def bench_broker(args, data_dir: Path, fetch: bool = True) -> Run:
                     step += 1
             used["consumer"] = time.process_time() - cpu
 
-        cpu_before = cpu_seconds(pid)
+        cpu_before, threads_before = cpu_seconds(pid), thread_cpu_by_role(pid)
         elapsed, latencies, producers, done = run_producers("broker", address, args,
                                                             consume if fetch else lambda total: None)
         used = {"producers": producers, "broker": cpu_seconds(pid) - cpu_before, **used}
+        threads = by_role(threads_before, thread_cpu_by_role(pid))
         trainer.close()
         return Run(args.per_producer * args.producers / (elapsed if fetch else done), latencies, used, done,
-                   elapsed)
+                   elapsed, threads)
 
 
 def decode_us(per_put: int, repeat: int) -> tuple[float, float]:
@@ -273,8 +274,7 @@ def decode_us(per_put: int, repeat: int) -> tuple[float, float]:
 
 def store_alone_mb_per_s(data_dir: Path, payload: bytes, per_put: int, puts: int, per_commit: int) -> float:
     """The broker's storage path alone, in this process, every PUT's frame already in memory (no socket, no
-    producer): `Store.put` places, writes direct, syncs and catalogues `per_commit` PUTs a group
-    commit, as the writer thread does for every PUT in flight at once."""
+    producer): `Store.put` places, writes, syncs and catalogues `per_commit` PUTs a commit, as the writer does."""
     from rlbus.broker.store import Store
 
     n, frame, groups = len(payload), memoryview(payload * per_put), per_put // GROUP
@@ -326,8 +326,7 @@ def bench_large(args, data_dir: Path) -> dict:
           f"{ingest_run.cpu_line(n)}); at that CPU per byte, {len(os.sched_getaffinity(0))} cores busy every "
           f"moment would carry {bound:,.1f} MB/s ({bound / disk:.2f} of the disk)", flush=True)
     run = bench_broker(big, data_dir / "large")
-    rate = run.rate
-    mb = rate * (big.large_kb << 10) / 1e6
+    rate, mb = run.rate, run.rate * (big.large_kb << 10) / 1e6
     print(f"durable broker, {big.large_kb} KB trajectories, to a consumer: {rate:,.1f} traj/s = {mb:,.1f} MB/s "
           f"({mb / disk:.2f} of the disk, {mb / relayed:.2f} of the relay; CPU s per 10k: {run.cpu_line(n)})",
           flush=True)

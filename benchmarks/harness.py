@@ -32,11 +32,17 @@ class Run:
     cpu: dict[str, float] = field(default_factory=dict)  # producers, broker, consumer
     producers_done_s: float = 0.0  # when the last producer had its last ACK (the consumer may still be taking)
     consumer_done_s: float = 0.0
+    broker_threads: dict[str, float] = field(default_factory=dict)  # the broker's CPU by `thread_cpu_by_role`
 
     def cpu_line(self, trajectories: int) -> str:
         """CPU seconds per 10,000 trajectories, by side: where a 2-core machine's time goes."""
         per = {k: v * 10_000 / trajectories for k, v in self.cpu.items()}
-        return ", ".join(f"{k} {v:.2f}" for k, v in per.items()) + f"; total {sum(per.values()):.2f}"
+        line = ", ".join(f"{k} {v:.2f}" for k, v in per.items()) + f"; total {sum(per.values()):.2f}"
+        if self.broker_threads:
+            line += "; the broker's by thread: " + ", ".join(
+                f"{role} {v * 10_000 / trajectories:.2f}" for role, v in sorted(self.broker_threads.items()))
+        return line
+
 
     def cpu_bound(self, work: float) -> float:
         """The most work a second this process's cores could carry, for a case that did `work` in all, at the CPU
@@ -122,6 +128,30 @@ def thread_cpu(pid: int) -> tuple[dict[int, float], float]:
         return threads, stat_cpu(Path(f"/proc/{pid}/stat"))[1]
     except (FileNotFoundError, ProcessLookupError):
         return threads, 0.0
+
+
+def thread_cpu_by_role(pid: int) -> dict[int, tuple[str, float]]:
+    """Each thread of process `pid`: (its role, its CPU seconds so far). Roles: `loop` (the main thread),
+    `zmq_io` (ZeroMQ's I/O threads: the socket copies), a thread's OS name where it set one (`rlbus-writer`),
+    else `other`."""
+    threads = {}
+    for tid, cpu in thread_cpu(pid)[0].items():
+        try:
+            name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        role = ("loop" if tid == pid else "zmq_io" if name.startswith("ZMQbg/IO") else
+                name if name.startswith("rlbus-") else "other")
+        threads[tid] = (role, cpu)
+    return threads
+
+
+def by_role(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
+    """CPU seconds each role spent between two `thread_cpu_by_role` readings."""
+    spent: dict[str, float] = {}
+    for tid, (role, cpu) in after.items():
+        spent[role] = spent.get(role, 0.0) + cpu - before.get(tid, (role, 0.0))[1]
+    return spent
 
 
 def disk_fdatasync_mb_per_s(directory: Path, block: bytes, total_bytes: int, direct: bool = False) -> float:

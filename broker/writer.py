@@ -16,6 +16,7 @@ import structlog
 import zmq
 
 from rlbus.broker.store import Store, WriteJob
+from rlbus.common.processes import name_os_thread
 
 log = structlog.get_logger()
 
@@ -54,6 +55,7 @@ class Writer:
         return bool(self._jobs)
 
     def _run(self) -> None:
+        name_os_thread("rlbus-writer")
         notify = self._ctx.socket(zmq.PUSH)
         notify.connect(self.address)
         try:

@@ -46,6 +46,8 @@ FIGURES = {"weight_sync": ("network_ratio", "delta_bytes_share"),
            "broker_throughput": ("ratio_to_per_message", "large_ingest_ratio_to_disk",
                                  "large_store_alone_ratio_to_disk", "large_ingest_cpu_bound_ratio_to_disk",
                                  "large_window")}
+# Lines a smoke run must print: the broker's CPU split by thread, its writer and ZeroMQ's I/O named.
+PRINTS = {"broker_throughput": ("the broker's by thread: loop", "rlbus-writer", "zmq_io")}
 # The explorers' host is a network namespace: root and iproute2's ip and tc.
 LINK_UNAVAILABLE = "" if os.geteuid() == 0 and shutil.which("ip") and shutil.which("tc") else \
     "the link needs root, ip and tc"
@@ -150,6 +152,8 @@ def test_benchmark_smoke_mode_runs_and_exits(name, smokes):
     assert isinstance(figures, dict) and figures
     missing = [key for key in FIGURES.get(name, ()) if figures.get(key) is None]
     assert not missing, f"{name} gave no {missing}: {out[-2000:]}"
+    unsaid = [words for words in PRINTS.get(name, ()) if words not in out]
+    assert not unsaid, f"{name} did not print {unsaid}: {out[-2000:]}"
 
 
 HOLD_A_LINK = ("import sys, time; sys.path.insert(0, '.'); from benchmarks.links import link\n"

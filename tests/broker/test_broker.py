@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -27,6 +28,14 @@ def test_join_status_and_leave(broker, clients):
     assert a.welcome["weights"]["version"] == 0
     a.close(bye=True)
     wait_for(lambda: "ex-a" not in {p["name"] for p in status(t)["peers"]}, 3, "ex-a dropped")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="thread names are read from /proc")
+def test_the_brokers_writer_thread_carries_its_name_in_the_os(broker, clients):
+    """`top -H`, `ps -L` and the throughput benchmark's CPU by thread tell the writer from the event loop."""
+    clients(broker, "tool", "tool-1")  # answered: the broker is up, its writer started with its store
+    tasks = Path(f"/proc/{broker.proc.pid}/task")
+    assert "rlbus-writer" in {(t / "comm").read_text().strip() for t in tasks.iterdir()}
 
 
 def test_silent_peer_expires_and_its_leases_return(broker, clients, raw_dealer):
