@@ -35,7 +35,11 @@ def test_the_brokers_writer_thread_carries_its_name_in_the_os(broker, clients):
     """`top -H`, `ps -L` and the throughput benchmark's CPU by thread tell the writer from the event loop."""
     clients(broker, "tool", "tool-1")  # answered: the broker is up, its writer started with its store
     tasks = Path(f"/proc/{broker.proc.pid}/task")
-    assert "rlbus-writer" in {(t / "comm").read_text().strip() for t in tasks.iterdir()}
+
+    def names() -> set[str]:
+        return {(t / "comm").read_text().strip() for t in tasks.iterdir()}
+
+    wait_for(lambda: "rlbus-writer" in names(), 10, "the writer named itself as it started")  # its first act
 
 
 def test_silent_peer_expires_and_its_leases_return(broker, clients, raw_dealer):
