@@ -43,7 +43,6 @@ class Run:
                 f"{role} {v * 10_000 / trajectories:.2f}" for role, v in sorted(self.broker_threads.items()))
         return line
 
-
     def cpu_bound(self, work: float) -> float:
         """The most work a second this process's cores could carry, for a case that did `work` in all, at the CPU
         every side spent on it here: were the cores busy every moment, no side ever waiting on another."""
