@@ -31,27 +31,27 @@ from typing import IO, Callable
 import structlog
 
 
-def terminate_with(parent: int) -> None:
-    """In a child, before exec: get SIGTERM when `parent` dies, even by SIGKILL (elsewhere than Linux: nothing)."""
+def _prctl(*args) -> bool:
+    """prctl(2) where the C library has it (Linux); False where it does not."""
     import ctypes
 
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        ctypes.CDLL(None, use_errno=True).prctl(*args)
     except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:  # it died before the call
+        return False
+    return True
+
+
+def terminate_with(parent: int) -> None:
+    """In a child, before exec: get SIGTERM when `parent` dies, even by SIGKILL (elsewhere than Linux: nothing)."""
+    if _prctl(1, signal.SIGTERM) and os.getppid() != parent:  # PR_SET_PDEATHSIG; it died before the call
         os.kill(os.getpid(), signal.SIGTERM)
 
 
 def name_os_thread(name: str) -> None:
     """Give the calling thread `name` in the OS too (its first 15 bytes), where `top -H`, `ps -L` and
     /proc/PID/task/TID/comm show it; Python before 3.14 leaves every thread named after the process."""
-    import ctypes
-
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
-    except (OSError, AttributeError):
-        return
+    _prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
