@@ -37,6 +37,7 @@ from typing import Sequence
 import structlog
 
 from rlbus.common import metrics
+from rlbus.common.processes import freeze_heap
 from rlbus.explorer.lifeline import owning_engines, remove_sockets
 
 log = structlog.get_logger()
@@ -91,6 +92,10 @@ class Engine:
             threads = torch.get_num_threads()
         from vllm import LLM
 
+        # vLLM's engine core freezes the whole heap once it is built (ours too, with its core inline); frozen
+        # first, what the imports made is left out of the collections the build itself runs (model loading,
+        # memory profiling): the tiny model's engine was built in 4.4-4.9 s so, 6.8-8.3 s without.
+        freeze_heap()
         with owning_engines() as self._sockets:  # its processes end when this one does, even by SIGKILL
             self.llm = LLM(model=model, dtype=dtype, seed=seed, max_model_len=max_model_len,
                            gpu_memory_utilization=memory_fraction, enforce_eager=enforce_eager,

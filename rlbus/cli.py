@@ -15,6 +15,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from rlbus.common.processes import defer_collection
+
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="rlbus: reinforcement fine-tuning of LLMs around a message broker.")
 config_app = typer.Typer(no_args_is_help=True, help="Inspect and check configuration.")
@@ -103,11 +105,11 @@ def up(config: ConfigArg = None, set: SetOpt = None) -> None:
 
 
 @app.command()
-def explorer(config: ConfigArg = None, set: SetOpt = None,
-             broker: BrokerOpt = None,
+def explorer(config: ConfigArg = None, set: SetOpt = None, broker: BrokerOpt = None,
              name: Annotated[Optional[str], typer.Option(help="Peer name (default: explorer-HOST-PID-TAG, unique to this start).")] = None,
              ) -> None:
     """Run an explorer: vLLM rollouts of leased tasks, trajectories to the broker."""
+    defer_collection()
     cfg = _load(config, _with_broker(set, broker) + ([f"explorer.name={name}"] if name else []))
     _logging(cfg, "explorer", peer=cfg.explorer.name or None)
     from rlbus.explorer.main import run
@@ -116,9 +118,7 @@ def explorer(config: ConfigArg = None, set: SetOpt = None,
 
 
 @app.command()
-def trainer(config: ConfigArg = None, set: SetOpt = None,
-            broker: BrokerOpt = None,
-            ) -> None:
+def trainer(config: ConfigArg = None, set: SetOpt = None, broker: BrokerOpt = None) -> None:
     """Run the trainer: batches by policy version, policy-gradient steps, weights to the explorers.
 
     With trainer.world_size N it starts N ranks on this host (FSDP2) and watches them; torchrun starts them on several.
@@ -129,18 +129,19 @@ def trainer(config: ConfigArg = None, set: SetOpt = None,
 
     if cfg.trainer.world_size > 1 and rank_env() is None:  # started by hand: this process starts the ranks
         raise typer.Exit(supervise(cfg))
+    defer_collection()
     from rlbus.trainer.main import run
 
     run(cfg)
 
 
 @app.command()
-def reward(config: ConfigArg = None, set: SetOpt = None,
-           broker: BrokerOpt = None,
+def reward(config: ConfigArg = None, set: SetOpt = None, broker: BrokerOpt = None,
            name: Annotated[Optional[str], typer.Option(help="Peer name (default: reward-HOST-PID-TAG, unique to this start).")] = None,
            service: Annotated[Optional[list[str]], typer.Option(help="A service to offer (repeat; default "
                                                                      "reward.services).")] = None) -> None:
     """Run a reward worker: serve reward services (math, code, rm, plugins) to explorers through the broker."""
+    defer_collection()
     cfg = _load(config, _with_broker(set, broker))
     _logging(cfg, "reward", peer=name)
     from rlbus.reward.worker import run

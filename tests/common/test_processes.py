@@ -142,6 +142,25 @@ def test_a_waker_ends_a_poll_at_once_and_writes_nothing_once_closed():
         os.close(writable)
 
 
+def test_a_deferred_collector_stays_off_until_the_heap_is_frozen():
+    """In a process of its own: the collector is the whole process's."""
+    script = textwrap.dedent("""
+        import gc
+        from rlbus.common.processes import defer_collection, freeze_heap
+        defer_collection()
+        for _ in range(100_000):  # garbage cycles enough for many automatic collections, were any to run
+            a = []
+            a.append(a)
+        print("collector:", gc.isenabled(), gc.get_count()[0] > 100_000)
+        freeze_heap()
+        print("collector:", gc.isenabled(), gc.get_count()[0] < 1_000)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    said = [line.split()[1:] for line in done.stdout.splitlines() if line.startswith("collector:")]
+    assert said == [["False", "True"], ["True", "True"]]  # off, none run; on again, and the cycles collected
+
+
 def test_a_process_that_loaded_triton_ends_without_its_teardown_report_and_says_all_it_had_to():
     """The teardown does not collect a frozen heap, and triton's bindings report what it holds as leaked, thirty lines
     on stderr; an rlbus process sends its teardown's output to /dev/null, after its exit handlers and its last words."""
