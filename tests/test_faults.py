@@ -2,10 +2,11 @@
 
 A broker, a trainer and three explorers (tiny model, fully async,
 `max_staleness` 2, a checkpoint every 3 steps) run as separate processes.
-At given steps the test kills and restarts: an explorer drawn by a seeded
-generator (back under its old name), the trainer one step after its newest checkpoint
-and, later, two steps after it, and the broker, which stays away for longer
-than the trainer's request timeout; a newcomer explorer joins as it comes. Then,
+A newcomer explorer starts as the run does and joins as it comes; at given
+steps the test kills and restarts the trainer one step after its newest
+checkpoint and, later, two steps after it, between the two an explorer drawn
+by a seeded generator (back under its old name), and the broker, which stays
+away for longer than the trainer's request timeout. Then,
 from the logs and the buffer: the run finishes; no trained sample was staler
 than the bound; no group is in two committed steps; every stored trajectory
 is committed, retired or still waiting (nothing ACKed is lost); and no
@@ -133,21 +134,19 @@ def test_a_run_survives_kills_of_every_component(tiny_model, tmp_path):
         wait_until("the explorers", lambda: set(explorers) <= joined(), everyone, timeout=180)
         trainer.start()
         # The faults, each once the trainer has logged a given step (the explorer killed is drawn from a
-        # seeded generator). The trainer is killed one step (step 3, checkpoint 2) and two steps (step 7,
-        # checkpoint 5) past a checkpoint; then the broker, then an explorer, then a newcomer joins.
-        plan = [(3, "trainer"), (7, "trainer"), (9, "broker"), (10, "explorer"), (11, "newcomer")]
+        # seeded generator). A newcomer starts first: its engine takes about as long to start as ten steps
+        # take here, so it joins mid-run, among the faults. The trainer is killed one step (step 3, checkpoint 2)
+        # and two steps (step 7, checkpoint 5) past a checkpoint; an explorer between the two, and the broker
+        # last. The killed explorer comes back under its old name while the run goes on (or once it is over:
+        # its engine starts at its own pace).
+        plan = [(1, "newcomer"), (3, "trainer"), (5, "explorer"), (7, "trainer"), (9, "broker")]
+        victim, restarted = rng.choice(["ex-a", "ex-b", "ex-c"]), 0.0  # one that is generating (not the newcomer)
         for at, fault in plan:
             wait_until(f"step {at}", lambda: len(steps()) and max(steps()) >= at, everyone)
             if fault == "explorer":
-                victim = rng.choice(["ex-a", "ex-b", "ex-c"])  # one that is generating (not the newcomer)
                 explorers[victim].kill()
                 restarted = time.time()
                 explorers[victim].start()  # under its old name
-                # One engine starts at a time (the newcomer's after this one), which bounds the memory
-                # the run needs at once on a 2-core, 24 GiB machine.
-                wait_until(f"{victim} to come back", lambda: any(
-                    e["peer"] == victim and e["ts"] > restarted for e in events(logs / "broker.jsonl", "peer_joined")),
-                    everyone)
             elif fault == "broker":
                 broker.kill()
                 time.sleep(4)  # longer than the trainer's request timeout (1 s) and the peers' liveness window
@@ -160,7 +159,10 @@ def test_a_run_survives_kills_of_every_component(tiny_model, tmp_path):
                 trainer.start()
         wait_until("the trainer to finish", lambda: not trainer.alive(), everyone, timeout=240)
         assert trainer.popen.returncode == 0, (tmp_path / "trainer.err").read_text()[-3000:]
-        wait_until("the newcomer", lambda: "ex-d" in joined(), everyone)  # its engine starts at its own pace
+        wait_until("the newcomer", lambda: "ex-d" in joined(), everyone)
+        wait_until(f"{victim} to come back", lambda: any(
+            e["peer"] == victim and e["ts"] > restarted for e in events(logs / "broker.jsonl", "peer_joined")),
+            everyone)
         for p in explorers.values():
             p.kill(signal.SIGTERM)
         broker.kill(signal.SIGTERM)
