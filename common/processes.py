@@ -8,11 +8,12 @@ Every long-running process stops on SIGTERM, SIGINT or SIGHUP through
 `on_stop_signals`, and processes that load torch, transformers or vLLM start
 with the cyclic collector off (`defer_collection`) and freeze their heap once
 started (`freeze_heap`), so that the collector never stalls their threads
-(and again as they end, `refreeze_heap`, where a library unfroze it). The interpreter's teardown does not collect a frozen heap, and
-triton's nanobind bindings (torch and vLLM load triton) then report the
-objects it still holds as leaked, thirty lines at every exit of a trainer or
-an explorer: where triton was loaded, what the teardown writes after every
-exit handler goes to /dev/null (`quiet_teardown`).
+(and again as they end, `refreeze_heap`, where a library unfroze it). The
+interpreter's teardown does not collect a frozen heap, and triton's nanobind
+bindings (torch and vLLM load triton) then report the objects it still holds
+as leaked, thirty lines at every exit of a trainer or an explorer: where
+triton was loaded, what the teardown writes after every exit handler goes to
+/dev/null (`quiet_teardown`).
 """
 
 from __future__ import annotations
