@@ -160,7 +160,7 @@ def defer_collection() -> None:
     """Call first in a process that will load torch, transformers or vLLM and then `freeze_heap`: the cyclic
     collector stays off until then. Their imports build hundreds of thousands of objects, nearly none of them
     garbage, and every automatic full collection on the way walks all that were built before it: on a 2-core host,
-    importing torch and vLLM's `LLM` took 13.3-15.3 s with the collector on and 11.2-12.2 s with it off."""
+    importing torch and vLLM's `LLM` took 14.4-15.3 s with the collector on and 11.2-12.2 s with it off."""
     gc.disable()
 
 
