@@ -6,9 +6,10 @@ has no chance to stop them: Linux's PR_SET_PDEATHSIG sends them SIGTERM.
 
 Every long-running process stops on SIGTERM, SIGINT or SIGHUP through
 `on_stop_signals`, and processes that load torch, transformers or vLLM start
-with the cyclic collector off (`defer_collection`) and freeze their heap once
-started (`freeze_heap`), so that the collector never stalls their threads
-(and again as they end, `refreeze_heap`, where a library unfroze it). The
+with the cyclic collector off (`rlbus explorer`, `trainer` and `reward` turn
+it off first thing) and freeze their heap once started (`freeze_heap`), so
+that the collector never stalls their threads (and again as they end,
+`refreeze_heap`, where a library unfroze it). The
 interpreter's teardown does not collect a frozen heap, and triton's nanobind
 bindings (torch and vLLM load triton) then report the objects it still holds
 as leaked, thirty lines at every exit of a trainer or an explorer: where
@@ -156,14 +157,6 @@ class Waker:
                 os.close(self._writable)
 
 
-def defer_collection() -> None:
-    """Call first in a process that will load torch, transformers or vLLM and then `freeze_heap`: the cyclic
-    collector stays off until then. Their imports build hundreds of thousands of objects, nearly none of them
-    garbage, and every automatic full collection on the way walks all that were built before it: on a 2-core host,
-    importing torch and vLLM's `LLM` took 14.4-15.3 s with the collector on and 11.2-12.2 s with it off."""
-    gc.disable()
-
-
 def freeze_heap() -> None:
     """Call once a process has started up: what start-up built is never scanned by the cyclic collector again.
 
@@ -171,8 +164,11 @@ def freeze_heap() -> None:
     Every full collection walks all of them while it holds the GIL (measured on a 2-core host: 0.1-0.5 s in an
     explorer, up to 1.1 s in a test process with both cores busy), and no other thread of the process runs
     meanwhile, its broker client's heartbeats included (a peer silent for `broker.liveness` heartbeats is
-    dropped). Frozen, they are left out of every collection. The collector is on again afterwards (see
-    `defer_collection`).
+    dropped). Frozen, they are left out of every collection. The collector is on again afterwards: the
+    processes that call this turn it off as they start (`rlbus.cli`), since their imports build those objects
+    with nearly no garbage and every automatic full collection on the way walks all that were built before it
+    (on a 2-core host, importing torch and vLLM's `LLM` took 14.4-15.3 s with the collector on and 11.2-12.2 s
+    with it off); the event says whether it was off (`deferred`).
     """
     started, deferred = time.monotonic(), not gc.isenabled()
     gc.collect()

@@ -7,6 +7,7 @@ never imports torch or vllm.
 
 from __future__ import annotations
 
+import gc
 import json
 import signal
 import sys
@@ -14,8 +15,6 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-
-from rlbus.common.processes import defer_collection
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="rlbus: reinforcement fine-tuning of LLMs around a message broker.")
@@ -109,7 +108,7 @@ def explorer(config: ConfigArg = None, set: SetOpt = None, broker: BrokerOpt = N
              name: Annotated[Optional[str], typer.Option(help="Peer name (default: explorer-HOST-PID-TAG, unique to this start).")] = None,
              ) -> None:
     """Run an explorer: vLLM rollouts of leased tasks, trajectories to the broker."""
-    defer_collection()
+    gc.disable()  # until the heap is frozen: see rlbus.common.processes.freeze_heap
     cfg = _load(config, _with_broker(set, broker) + ([f"explorer.name={name}"] if name else []))
     _logging(cfg, "explorer", peer=cfg.explorer.name or None)
     from rlbus.explorer.main import run
@@ -129,7 +128,7 @@ def trainer(config: ConfigArg = None, set: SetOpt = None, broker: BrokerOpt = No
 
     if cfg.trainer.world_size > 1 and rank_env() is None:  # started by hand: this process starts the ranks
         raise typer.Exit(supervise(cfg))
-    defer_collection()
+    gc.disable()  # until the heap is frozen: see rlbus.common.processes.freeze_heap
     from rlbus.trainer.main import run
 
     run(cfg)
@@ -141,7 +140,7 @@ def reward(config: ConfigArg = None, set: SetOpt = None, broker: BrokerOpt = Non
            service: Annotated[Optional[list[str]], typer.Option(help="A service to offer (repeat; default "
                                                                      "reward.services).")] = None) -> None:
     """Run a reward worker: serve reward services (math, code, rm, plugins) to explorers through the broker."""
-    defer_collection()
+    gc.disable()  # until the heap is frozen: see rlbus.common.processes.freeze_heap
     cfg = _load(config, _with_broker(set, broker))
     _logging(cfg, "reward", peer=name)
     from rlbus.reward.worker import run

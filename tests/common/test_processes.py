@@ -142,12 +142,12 @@ def test_a_waker_ends_a_poll_at_once_and_writes_nothing_once_closed():
         os.close(writable)
 
 
-def test_a_deferred_collector_stays_off_until_the_heap_is_frozen():
-    """In a process of its own: the collector is the whole process's."""
+def test_a_collector_turned_off_at_start_is_on_again_once_the_heap_is_frozen():
+    """In a process of its own, started as `rlbus explorer` starts: the collector is the whole process's."""
     script = textwrap.dedent("""
         import gc
-        from rlbus.common.processes import defer_collection, freeze_heap
-        defer_collection()
+        from rlbus.common.processes import freeze_heap
+        gc.disable()
         for _ in range(100_000):  # garbage cycles enough for many automatic collections, were any to run
             a = []
             a.append(a)

@@ -127,7 +127,7 @@ def test_trainer_killed_two_steps_after_its_checkpoint_resumes_and_finishes(brok
     published = events(log_path, "weights_published")
     assert published and all(e.get("component") == "trainer" and e.get("peer") == "trainer" for e in published), \
         "events of the publishing thread carry the trainer's context"
-    # Each start ran with the collector off until its heap was frozen (rlbus.common.processes.defer_collection).
+    # Each start ran with the collector off until its heap was frozen (rlbus.cli turns it off first).
     assert [e["deferred"] for e in events(log_path, "heap_frozen")] == [True, True]
     assert tool.request(P.STATUS).header["weights"]["version"] == steps
     groups = [g for gs in delivered(b).values() for g in gs]
