@@ -82,9 +82,14 @@ class Engine:
         if threads and not self.inline:
             raise ValueError("explorer.threads sets the threads of an engine core inline (explorer.engine_core); "
                              "one in a process of its own takes its cores from VLLM_CPU_OMP_THREADS_BIND")
+        # vLLM reads this when the engine is built: "0" runs its engine core and worker in this process. Set
+        # either way, and read afresh: an engine built earlier in this process set it, and its core cached
+        # vLLM's environment when it started (vllm.envs.enable_envs_cache).
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if self.inline else "1"
+        from vllm import envs
+
+        getattr(envs, "disable_envs_cache", lambda: None)()
         if self.inline:
-            # vLLM reads this when the engine is built: its engine core and worker then run in this process.
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
             import torch
 
             if threads:  # before vLLM's CPU worker starts, which then refuses torch.set_num_threads

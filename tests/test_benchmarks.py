@@ -29,7 +29,7 @@ from tests.conftest import REPO
 BENCHMARKS = {
     "broker_throughput": [],
     "reward": [],
-    "trainer": ["--model", "{tiny}", "--world-size", "2", "--serve", "2"],
+    "trainer": ["--model", "{tiny}", "--world-size", "2", "--serve", "1"],
     "explorer": ["--model", "{tiny}"],
     "weight_sync": ["--model", "{tiny}"],
     "weight_sync_link": ["--model", "{tiny}", "--link-mbit", "2000"],

@@ -286,24 +286,30 @@ def test_an_explorer_stalled_past_the_brokers_liveness_window_does_no_task_twice
         == dropped[0]["leases_released"]
 
 
-def test_keeping_kv_across_a_swap(tiny_model, v1):
+def test_keeping_kv_across_a_swap(engine, tiny_model, v1):
     """swap_kv keep: no recompute, so tokens after the swap attend to KV the old weights computed; tokens before it
-    are still the old weights', every token is labelled, and no request can reuse another's KV (no prefix cache)."""
+    are still the old weights', every token is labelled, and no request can reuse another's KV (no prefix cache).
+    Its engine core runs in a process of its own, as asked, though an engine inline was built in this process
+    first (the shared one) and left vLLM's environment saying otherwise."""
+    from vllm.v1.engine.core_client import InprocClient
+
     from rlbus.explorer.engine import Engine
 
+    assert engine.inline
     with pytest.raises(ValueError, match="recompute or keep"):
         Engine(tiny_model, swap_kv="sometimes")
     with Engine(tiny_model, dtype="float32", seed=0, max_model_len=512, kv_cache_mb=TINY_KV_MB, core="process",
-                swap_kv="keep") as engine:
-        assert engine.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching is False
-        prompt = long_prompt(engine)
-        engine.submit("kept", prompt, n=2, max_tokens=LONG)
+                swap_kv="keep") as kept:
+        assert not isinstance(kept.llm.llm_engine.engine_core, InprocClient)
+        assert kept.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching is False
+        prompt = long_prompt(kept)
+        kept.submit("kept", prompt, n=2, max_tokens=LONG)
         for _ in range(8):
-            assert engine.step() == {}
-        engine.reload(checkpoint_source(str(v1)), 1)
+            assert kept.step() == {}
+        kept.reload(checkpoint_source(str(v1)), 1)
         done: dict = {}
-        while engine.in_flight:
-            done.update(engine.step())
+        while kept.in_flight:
+            done.update(kept.step())
     for s in done["kept"]:
         assert len(s.token_ids) == len(s.logprobs) and (len(s.token_ids) == LONG) == (s.finish_reason == "length")
         (_, v_first), (swap, v_swap) = s.versions
