@@ -27,8 +27,9 @@ import signal
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Callable
+from typing import IO, Callable, Iterator
 
 import structlog
 
@@ -176,6 +177,21 @@ def freeze_heap() -> None:
     gc.enable()
     structlog.get_logger().info("heap_frozen", objects=gc.get_freeze_count(), deferred=deferred,
                                 seconds=round(time.monotonic() - started, 3))
+
+
+@contextmanager
+def heap_kept_frozen() -> Iterator[None]:
+    """Within, `gc.unfreeze` does nothing: for a library's shutdown in a process that ends next. vLLM's engine
+    shutdown unfreezes the whole heap and then runs two full collections over it, to free what a process that
+    goes on would otherwise keep (cyclic garbage among frozen objects is never freed): with an explorer's
+    720,000 objects they took about 2 s of the engine's 2.4 s close on a 2-core host. Kept frozen, they walk
+    only what was made since the freeze."""
+    unfreeze = gc.unfreeze
+    gc.unfreeze = lambda: None
+    try:
+        yield
+    finally:
+        gc.unfreeze = unfreeze
 
 
 def refreeze_heap() -> None:

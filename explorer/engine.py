@@ -27,17 +27,19 @@ or in a process started by the CLI.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import os
 import threading
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Sequence
 
 import structlog
 
 from rlbus.common import metrics
-from rlbus.common.processes import freeze_heap
+from rlbus.common.processes import freeze_heap, heap_kept_frozen, refreeze_heap
 from rlbus.explorer.lifeline import owning_engines, remove_sockets
 
 log = structlog.get_logger()
@@ -235,14 +237,21 @@ class Engine:
                  **{k: round(v, 3) if isinstance(v, float) else v for k, v in info.items()})
         return info
 
-    def close(self) -> None:
+    def close(self, ending: bool = False) -> None:
         """Stop vLLM's engine core (its process, when it has one: without this the interpreter waits for it
-        at exit)."""
+        at exit). `ending`: this process ends next; its heap stays frozen through vLLM's shutdown
+        (`heap_kept_frozen`), and what the shutdown made is frozen after it, so that the interpreter's teardown
+        walks none of it (`refreeze_heap`). The event says how long the close took and what stayed frozen."""
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
-            llm.llm_engine.engine_core.shutdown()
+            started = time.monotonic()
+            with heap_kept_frozen() if ending else nullcontext():
+                llm.llm_engine.engine_core.shutdown()
             remove_sockets(self._sockets)
-            log.info("engine_stopped", model=self.model)
+            log.info("engine_stopped", model=self.model, seconds=round(time.monotonic() - started, 2),
+                     frozen=gc.get_freeze_count())
+        if ending:
+            refreeze_heap()
 
     def __enter__(self) -> "Engine":
         return self

@@ -54,14 +54,14 @@ from rlbus.common import cores, metrics, protocol as P, telemetry
 from rlbus.common.client import BrokerClient, BrokerError, BrokerUnreachable, default_name
 from rlbus.common.config import RunConfig
 from rlbus.common.logging import bind
-from rlbus.common.processes import freeze_heap, on_stop_signals, refreeze_heap
+from rlbus.common.processes import freeze_heap, on_stop_signals
 from rlbus.common.tasksets import Taskset, make_taskset
 from rlbus.explorer.activity import Activity
 from rlbus.explorer.envs import make_env
 from rlbus.explorer.inflight import Loader, Stopping
 from rlbus.explorer.rollout import Rollouts, greedy_accuracy, roll_out
 from rlbus.reward.base import from_config
-from rlbus.weights.models import with_rollout_dtype
+from rlbus.weights.models import resolve_model, with_rollout_dtype
 from rlbus.weights.sync import Receiver
 
 log = structlog.get_logger()
@@ -381,7 +381,6 @@ def _unacknowledged(puts: list[Future]) -> list[Future]:
 def run(cfg: RunConfig) -> None:
     """Entry point of `rlbus explorer`."""
     from rlbus.explorer.engine import Engine
-    from rlbus.weights.models import resolve_model
 
     cfg = with_rollout_dtype(cfg)  # the engine computes in it
     reward_fn = from_config(cfg.reward)  # a reward that cannot load, or a bad held-out file: said before the engine
@@ -390,11 +389,12 @@ def run(cfg: RunConfig) -> None:
                     memory_fraction=cfg.explorer.memory_fraction, kv_cache_mb=cfg.explorer.kv_cache_mb,
                     dtype=cfg.rollout.dtype, core=cfg.explorer.engine_core, swap_kv=cfg.explorer.swap_kv,
                     tensor_parallel=cfg.explorer.tensor_parallel, threads=cfg.explorer.threads)
-    with engine:
+    try:
         engine.warm_up()
         explorer = Explorer(cfg, engine, held_out=held_out, reward_fn=reward_fn)
         freeze_heap()
         on_stop_signals(explorer.stop)
         with telemetry.start(cfg, "explorer", explorer.name):
             explorer.run()
-    refreeze_heap()  # the engine's shutdown unfroze it: the interpreter's teardown need not walk it
+    finally:  # however the run ended (stopped before the broker welcomed it, too), the process ends next
+        engine.close(ending=True)

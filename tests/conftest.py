@@ -301,4 +301,4 @@ def engine(tiny_model):
     eng.warm_up()
     freeze_heap()
     yield eng
-    eng.close()
+    eng.close(ending=True)  # the test process ends next

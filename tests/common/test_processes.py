@@ -161,6 +161,25 @@ def test_a_collector_turned_off_at_start_is_on_again_once_the_heap_is_frozen():
     assert said == [["False", "True"], ["True", "True"]]  # off, none run; on again, and the cycles collected
 
 
+def test_a_library_that_unfreezes_the_heap_within_heap_kept_frozen_leaves_it_frozen():
+    """As an ending explorer's engine closes: vLLM's shutdown calls gc.unfreeze (in a process of its own)."""
+    script = textwrap.dedent("""
+        import gc
+        from rlbus.common.processes import heap_kept_frozen
+        kept = [[i] for i in range(1000)]
+        gc.freeze()
+        with heap_kept_frozen():
+            gc.unfreeze()
+            print("frozen:", gc.get_freeze_count() >= 1000)
+        gc.unfreeze()
+        print("frozen:", gc.get_freeze_count() >= 1000)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert [line for line in done.stdout.splitlines() if line.startswith("frozen:")] == ["frozen: True",
+                                                                                         "frozen: False"]
+
+
 def test_a_process_that_loaded_triton_ends_without_its_teardown_report_and_says_all_it_had_to():
     """The teardown does not collect a frozen heap, and triton's bindings report what it holds as leaked, thirty lines
     on stderr; an rlbus process sends its teardown's output to /dev/null, after its exit handlers and its last words."""
