@@ -102,7 +102,7 @@ class Engine:
             if enforce_eager and current_platform.is_cpu():
                 # The model is not compiled (enforce_eager), but vLLM's sampler compiles one op with
                 # torch.compile at the first sample (a sampled token's rank among the logprobs,
-                # vllm.v1.sample.ops.logprobs): 2.4-2.9 s of each CPU engine's start, and a C++ compiler run the
+                # vllm.v1.sample.ops.logprobs): 2.1-3.0 s of each CPU engine's warm-up, and a C++ compiler run the
                 # first time on a host, for an op that runs eager in well under a millisecond. Off in this
                 # process: the engine's first generation took 0.2 s so.
                 torch._dynamo.config.disable = True

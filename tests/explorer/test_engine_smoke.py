@@ -19,7 +19,7 @@ def test_generate_shapes_and_logprobs(engine):
 
 def test_an_engine_on_cpu_compiles_nothing(engine):
     """Its model is not compiled (enforce_eager) and neither is the sampler's op that torch.compile would build at
-    the first sample (2.4-2.9 s of each engine's start)."""
+    the first sample (2.1-3.0 s of each engine's warm-up)."""
     from torch._dynamo.utils import counters
     from vllm.platforms import current_platform
 
