@@ -196,8 +196,8 @@ def test_multi_explorer_async_by_broadcast(tiny_model, tmp_path):
 
 
 def test_streaming_explorers_swap_in_flight_one_at_a_time(tiny_model, tmp_path):
-    """Three streaming explorers, max_swapping 1: versions are swapped in with requests in flight, trajectories
-    that spanned a swap are trained, and no two explorers are ever paused for a load at once."""
+    """The preset's two streaming explorers, max_swapping 1: versions are swapped in with requests in flight,
+    trajectories that spanned a swap are trained, and the two are never paused for a load at once."""
     # Versions must arrive while requests are in flight, whichever side is faster here (the trainer's core may be
     # the one another test loads). An explorer that reaches the staleness bound waits with nothing in flight, and
     # the trainer's next step opens the bound at the moment it publishes: it loads that version idle. A bound of
@@ -205,14 +205,13 @@ def test_streaming_explorers_swap_in_flight_one_at_a_time(tiny_model, tmp_path):
     # groups and stepped once, so it finds requests in flight unless the explorers made about 11 groups in that
     # one step, and the groups that spanned it are among the run's 16. Two samples a group halve the trainer's
     # work without the explorers' (a decode step of two sequences costs about what one of four does here), so a
-    # trainer on a core shared four ways still steps within that. Where the explorers are the slower side, every
-    # swap is in flight.
-    run_dir, info = run_preset("streaming", tiny_model, tmp_path, "launch.explorers=3", "rollout.max_tokens=128",
-                               "rollout.repeat=2", "explorer.swap_lag=1", "explorer.inflight_tasks=1",
-                               'launch.trainer_cpus="0"', 'launch.explorer_cpus=["1", "1", "1"]',
-                               f"sync.max_staleness={STEPS - 1}")
+    # trainer on a core shared with another test's processes still steps within that. Where the explorers are the
+    # slower side, every swap is in flight. (The preset puts the trainer on core 0 and both explorers on core 1.)
+    run_dir, info = run_preset("streaming", tiny_model, tmp_path, "rollout.max_tokens=128", "rollout.repeat=2",
+                               "explorer.swap_lag=1", "explorer.inflight_tasks=1", f"sync.max_staleness={STEPS - 1}")
+    assert info["cfg"].launch.explorers == 2 and info["cfg"].sync.max_swapping == 1
     names = explorer_names(run_dir)
-    assert len(names) == 3 and all(events(run_dir, n, "explorer_groups") for n in names)
+    assert len(names) == 2 and all(events(run_dir, n, "explorer_groups") for n in names)
     loads = [(e["ts"] - e["seconds"], e["ts"], name, e["in_flight"]) for name in names
              for e in events(run_dir, name, "weights_loaded")]
     assert any(in_flight for *_, in_flight in loads), "no version was swapped in with requests in flight"
