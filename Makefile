@@ -17,16 +17,17 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 # computes runs one OpenMP thread unless OMP_NUM_THREADS says otherwise (tests/conftest.py).
 TEST_WORKERS ?= 2
 # `make run` and `make test` compile rlbus's own modules to bytecode first, as the install compiles the packages
-# (see below; about 0.3 s of each process's start); compileall skips those whose bytecode is up to date.
+# (see below; up to about 0.3 s of a process's start); compileall skips those whose bytecode is up to date.
 PACKAGES := rlbus common weights broker explorer trainer reward
 
 .PHONY: run test bench model clean-venv
 
-# uv installs the packages: about 55 s, downloads and compiling them to bytecode included, where pip took
-# 2.5-3 minutes on a 2-core host. Compiled here, since a process started with PYTHONDONTWRITEBYTECODE set (as
-# CI hosts often are) writes none: each would compile every module it imports again (an explorer's start took
-# 30 s of CPU so, 18-20 s with the bytecode). uv reads no pip configuration, so where the packages come only
-# from an index that configuration names, or uv cannot be had, pip installs them.
+# uv installs the packages and compiles them to bytecode: the whole environment in about 100 s on a 2-core host
+# with uv's cache empty, where pip took about 200 s. Compiled here, since a process started with
+# PYTHONDONTWRITEBYTECODE set (some hosts set it for every process) writes no bytecode: each would compile every
+# module it imports again (an explorer's start took 30-31 s of CPU so, 17-17.5 s with the bytecode). uv reads
+# no pip configuration, so where the packages come only from an index that configuration names, or uv cannot
+# be had, pip installs them.
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
