@@ -25,7 +25,13 @@ commit of every PUT in flight at once (no socket, no producer).
     python benchmarks/broker_throughput.py [--quick] [--producers P]
 
 The last line printed is one JSON object: broker_traj_per_s,
-raw_zmq_traj_per_s, ratio, ratio_to_per_message, p50_ack_ms, p99_ack_ms,
+raw_zmq_traj_per_s, ratio, ratio_to_per_message, small_disk_mb_per_s (this
+disk's rate of fdatasync'd writes the size of the small case's largest group
+commit, as many bytes as it stored), small_ratio_to_disk (the payload bytes
+the broker made durable a second, against it) and
+small_disk_bound_ratio_to_per_message (the rate that disk allows any broker
+that writes every payload, against one-per-message ZeroMQ: where it is under
+0.5, so is ratio_to_per_message), p50_ack_ms, p99_ack_ms,
 producers_done_s and consumer_done_s (when the producers had their last ACK
 and when the consumer had the last trajectory: a gap is a consumer that fell
 behind), large_window, large_ingest_mb_per_s, large_mb_per_s (to a
@@ -57,33 +63,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.harness import (Run, at_least, broker_process, by_role, cpu_seconds,  # noqa: E402
-                                disk_fdatasync_mb_per_s, relay, thread_cpu_by_role)
-
-GROUP = 8  # samples per group (repeat)
-BATCH_GROUPS = 64  # groups of one explorer batch (data.batch_tasks), as many as the consumer FETCHes a step
-
-
-def make_batch(producer: int, first_group: int, groups: int, payload: bytes) -> list[tuple[dict, bytes]]:
-    gids = {g: f"p{producer}-g{g}" for g in range(first_group, first_group + groups)}
-    return [({"id": f"{gid}.{i}", "group_id": gid, "task_id": gid, "group_size": GROUP,
-              "batch_index": g // BATCH_GROUPS, "policy_version": 0, "reward": float(i % 2), "n_tokens": 1024}, payload)
-            for g, gid in gids.items() for i in range(GROUP)]
-
-
-def sample_payload(large_kb: int = 0) -> bytes:
-    import numpy as np
-
-    if large_kb:  # opaque bytes: the broker never looks inside a payload
-        return np.random.default_rng(0).bytes(large_kb << 10)
-
-    from rlbus.common.trajectory import encode_payload
-
-    rng = np.random.default_rng(0)
-    return encode_payload({"prompt_ids": rng.integers(0, 49152, 128, dtype=np.int32),
-                           "response_ids": rng.integers(0, 49152, 1024, dtype=np.int32),
-                           "logprobs": -rng.random(1024, dtype=np.float32)},
-                          {"finish_reason": "length", "reward": 1.0})
+from benchmarks.broker_data import (BATCH_GROUPS, GROUP, decode_us, make_batch, sample_payload,  # noqa: E402
+                                    store_alone_mb_per_s)
+from benchmarks.harness import (Run, at_least, broker_process, by_role, cpu_seconds, disk_rates,  # noqa: E402
+                                relay, thread_cpu_by_role)
 
 
 def producer(mode: str, address: str, index: int, n_traj: int, per_put: int, window: int, large_kb: int,
@@ -248,48 +231,6 @@ def bench_broker(args, data_dir: Path, fetch: bool = True) -> Run:
                    elapsed, threads)
 
 
-def decode_us(per_put: int, repeat: int) -> tuple[float, float]:
-    """Microseconds to decode and validate one PUT header of the producers' (best of `repeat` rounds): the
-    broker's path, and the general path alone (msgpack, the depth check, validation against the Struct)."""
-    import timeit
-
-    from rlbus.common import protocol as P
-
-    items = make_batch(0, 0, per_put // GROUP, b"x")
-    metas = [dict(m, info={"finish_reason": "stop"}) for m, _ in items]  # as explorers send them
-    frames = P.encode(P.PUT, {"req": 1, "trajectories": metas}, [P.join_payloads(metas, [p for _, p in items])])
-
-    def decode() -> None:
-        P.validate(P.decode(frames))
-
-    plain, out = P._plain_put, []
-    for one_pass in (True, False):
-        P._plain_put = plain if one_pass else (lambda header: None)
-        try:
-            out.append(min(timeit.repeat(decode, number=200, repeat=repeat)) / 200 * 1e6)
-        finally:
-            P._plain_put = plain
-    return out[0], out[1]
-
-
-def store_alone_mb_per_s(data_dir: Path, payload: bytes, per_put: int, puts: int, per_commit: int) -> float:
-    """The broker's storage path alone, in this process, every PUT's frame already in memory (no socket, no
-    producer): `Store.put` places, writes, syncs and catalogues `per_commit` PUTs a commit, as the writer does."""
-    from rlbus.broker.store import Store
-
-    n, frame, groups = len(payload), memoryview(payload * per_put), per_put // GROUP
-    messages = [[(meta, frame[i * n:(i + 1) * n]) for i, (meta, _) in enumerate(make_batch(0, k * groups, groups, b""))]
-                for k in range(puts)]
-    store = Store(data_dir, "group")
-    try:
-        start = time.perf_counter()
-        for first in range(0, puts, per_commit):
-            store.put(messages[first:first + per_commit])
-        return puts * per_put * n / (time.perf_counter() - start) / 1e6
-    finally:
-        store.close()
-
-
 def bench_large(args, data_dir: Path) -> dict:
     """Large trajectories through the broker, beside the disk's own fdatasync'd write rate."""
     big = argparse.Namespace(**vars(args))
@@ -300,8 +241,7 @@ def bench_large(args, data_dir: Path) -> dict:
     # The disk at the size of one PUT and at the most one group commit can take (every PUT in flight), buffered
     # and direct: the best of the four is the baseline.
     blocks = {size: sample_payload(max(1, size >> 10)) for size in (put_bytes, put_bytes * big.window * big.producers)}
-    rates = {(size, direct): disk_fdatasync_mb_per_s(data_dir, block, total, direct)
-             for direct in (False, True) for size, block in blocks.items()}
+    rates = disk_rates(data_dir, blocks, total)
     disk = max(rates.values())
     print("disk, sequential writes with fdatasync each: " + ", ".join(
         f"{size >> 20} MB {'direct' if direct else 'buffered'} {rate:,.1f} MB/s"
@@ -373,13 +313,21 @@ def main() -> None:
           f"(CPU s per 10k: {raw1_run.cpu_line(n)})", flush=True)
     with tempfile.TemporaryDirectory(prefix="rlbus-bench-") as tmp:
         run = bench_broker(args, Path(tmp) / "small")
+        # The disk at the small case's largest group commit (every PUT in flight), as many bytes as it stored:
+        # the most trajectories a second any broker that writes each payload could make durable here.
+        payload = sample_payload()
+        commit = payload * (args.per_put * args.window * args.producers)
+        disk = max(disk_rates(Path(tmp), {len(commit): commit}, n * len(payload)).values())
         large = bench_large(args, Path(tmp)) if args.large_kb_case else {}
+    disk_bound = disk * 1e6 / len(payload)
     rate, lat = run.rate, sorted(run.latencies)
     p50 = lat[len(lat) // 2] * 1000 if lat else float("nan")
     p99 = lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1000 if lat else float("nan")
     print(f"durable broker: {rate:,.0f} traj/s (fsync={args.fsync}), ACK p50 {p50:.1f} ms, p99 {p99:.1f} ms "
           f"(CPU s per 10k: {run.cpu_line(n)}); the producers were done after {run.producers_done_s:.3f} s, "
-          f"the consumer after {run.consumer_done_s:.3f} s", flush=True)
+          f"the consumer after {run.consumer_done_s:.3f} s; {rate * len(payload) / 1e6:,.1f} MB/s of payloads, "
+          f"{rate / disk_bound:.2f} of the disk ({disk:,.1f} MB/s), which bounds a durable broker at "
+          f"{disk_bound:,.0f} traj/s ({disk_bound / raw1:.2f} of one-per-message ZeroMQ)", flush=True)
     one_pass, general = decode_us(args.per_put, 1 if args.smoke else 7)
     print(f"PUT header of {args.per_put} trajectories, decoded and validated: {one_pass:.1f} us in one pass, "
           f"{general:.1f} us by the general path ({one_pass / general:.2f} of it)", flush=True)
@@ -387,7 +335,9 @@ def main() -> None:
            for case, r in (("raw1", raw1_run), ("broker", run)) for side, v in r.cpu.items()}
     print(json.dumps({"broker_traj_per_s": round(rate), "raw_zmq_traj_per_s": round(raw),
                       "ratio": round(rate / raw, 3), "raw_zmq_per_message_traj_per_s": round(raw1),
-                      "ratio_to_per_message": round(rate / raw1, 3), "p50_ack_ms": round(p50, 2),
+                      "ratio_to_per_message": round(rate / raw1, 3), "small_disk_mb_per_s": round(disk, 1),
+                      "small_ratio_to_disk": round(rate / disk_bound, 3),
+                      "small_disk_bound_ratio_to_per_message": round(disk_bound / raw1, 3), "p50_ack_ms": round(p50, 2),
                       "p99_ack_ms": round(p99, 2), "producers_done_s": round(run.producers_done_s, 3),
                       "consumer_done_s": round(run.consumer_done_s, 3),
                       "producers": args.producers, "per_put": args.per_put, "fsync": args.fsync,

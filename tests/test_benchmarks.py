@@ -43,8 +43,9 @@ SCRIPTS = {"weight_sync_link": "weight_sync"}  # a second smoke of one script (t
 FIGURES = {"weight_sync": ("network_ratio", "delta_bytes_share"),
            "weight_sync_link": ("network_ratio", "delta_bytes_share"), "trainer": ("tokens_per_s", "serving"),
            "cores": ("rival_ratio", "rival_ratio_fewer", "fewer_ratio"),
-           "broker_throughput": ("ratio_to_per_message", "large_ingest_ratio_to_disk",
-                                 "large_store_alone_ratio_to_disk", "large_ingest_cpu_bound_ratio_to_disk",
+           "broker_throughput": ("ratio_to_per_message", "small_disk_bound_ratio_to_per_message",
+                                 "large_ingest_ratio_to_disk", "large_store_alone_ratio_to_disk",
+                                 "large_ingest_cpu_bound_ratio_to_disk",
                                  "large_window")}
 # Lines a smoke run must print: the broker's CPU split by thread, its writer and ZeroMQ's I/O named.
 PRINTS = {"broker_throughput": ("the broker's by thread: loop", "rlbus-writer", "zmq_io")}
