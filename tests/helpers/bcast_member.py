@@ -64,9 +64,14 @@ def victim_main(broker: str, bus: str, name: str, marker: str) -> None:
     bucket, touches `marker`, then waits to be killed."""
     from pathlib import Path
 
+    import torch.distributed  # noqa: F401
+
     from rlbus.common.client import BrokerClient
     from rlbus.weights.broadcast import Member
 
+    # torch.distributed is loaded before HELLO, as in an explorer, whose engine has loaded torch: imported once
+    # the epoch was announced, it took 3.5-4.6 s alone, and more in the suite, where once the victim missed
+    # the epoch's 10 s rendezvous (and went silent for long enough that the broker dropped it meanwhile).
     client = BrokerClient(broker, "explorer", name, bus_address=bus, heartbeat_interval_s=0.2,
                           capabilities={"sync_methods": ["checkpoint", "nccl"], "broadcast_backends": ["gloo"]})
     client.start(10)
