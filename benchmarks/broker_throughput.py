@@ -302,7 +302,8 @@ def main() -> None:
     args.per_producer = (4 * args.per_put if args.smoke else 20_000 if args.quick else 100_000) \
         // args.per_put * args.per_put
     n = args.per_producer * args.producers
-    print(f"payload bytes per trajectory: {len(sample_payload())}", flush=True)
+    payload = sample_payload()  # what each producer sends, built again in its own process
+    print(f"payload bytes per trajectory: {len(payload)}", flush=True)
     raw_run = bench_raw(args)
     raw = raw_run.rate
     print(f"raw zmq push/pull, the same PUT messages: {raw:,.0f} traj/s "
@@ -315,7 +316,6 @@ def main() -> None:
         run = bench_broker(args, Path(tmp) / "small")
         # The disk at the small case's largest group commit (every PUT in flight), as many bytes as it stored:
         # the most trajectories a second any broker that writes each payload could make durable here.
-        payload = sample_payload()
         commit = payload * (args.per_put * args.window * args.producers)
         disk = max(disk_rates(Path(tmp), {len(commit): commit}, n * len(payload)).values())
         large = bench_large(args, Path(tmp)) if args.large_kb_case else {}
