@@ -11,8 +11,9 @@ Everything here is shared by both ends and both backends:
   rendezvous, then one `done/{version}/{rank}` key per member that received
   a version whole. Each epoch builds its own communicator from that store;
   there is no global default group, so groups come and go with membership.
-- Backends behind one small interface (`broadcast(bucket)`, `close()`,
-  every wait bounded by the epoch's timeout):
+- Backends behind one small interface (`broadcast(bucket, alive)`, `close()`,
+  every wait bounded by the epoch's timeout, and cut short when `alive`
+  says the sender is gone):
   `gloo` (torch.distributed's ProcessGroupGloo over TCP, CPU tensors) and
   `nccl` (cupy's NCCL binding, CUDA tensors, with a stream polled until a
   deadline and the communicator aborted past it).
@@ -27,13 +28,14 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import msgpack
 
 from rlbus.weights.digest import hasher, default_algorithm
 
 ALIGN = 64  # bytes; every tensor view starts on a multiple of this
+ALIVE_EVERY_S = 0.5  # while a member waits for a bucket, how often it checks that the trainer is still there
 
 
 class BroadcastError(RuntimeError):
@@ -155,6 +157,9 @@ def epoch_store(address: str, epoch: int, timeout_s: float, store=None):
 # ---- backends ---------------------------------------------------------------
 
 
+_ABANDONED: list = []  # (group, operation): gloo groups given up while an operation still waited
+
+
 class GlooComm:
     """torch.distributed's gloo, over TCP, for CPU tensors; its own group, built from the epoch's store."""
 
@@ -163,6 +168,7 @@ class GlooComm:
     def __init__(self, store, rank: int, world: int, timeout_s: float, host: str):
         from torch.distributed import ProcessGroupGloo
 
+        _ABANDONED[:] = [a for a in _ABANDONED if not a[1].is_completed()]  # ended (at their timeout at the latest)
         self.timeout = datetime.timedelta(seconds=timeout_s)
         opts = ProcessGroupGloo._Options()
         opts._timeout = self.timeout
@@ -172,16 +178,32 @@ class GlooComm:
         except RuntimeError as exc:
             raise BroadcastError(f"gloo rendezvous failed (rank {rank} of {world}): {exc}") from exc
 
-    def broadcast(self, bucket) -> None:
+    def broadcast(self, bucket, alive: Callable[[], None] | None = None) -> None:
         from torch.distributed import BroadcastOptions
 
         opts = BroadcastOptions()
         opts.rootRank = 0
         opts.timeout = self.timeout
-        try:
-            self.pg.broadcast([bucket], opts).wait(self.timeout)
-        except RuntimeError as exc:
-            raise BroadcastError(f"gloo broadcast failed: {exc}") from exc
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        work = self.pg.broadcast([bucket], opts)
+        while True:
+            # Waited in slices: gloo does not always see a sender that died mid-broadcast, and would then wait
+            # out the whole timeout. A wait that runs out leaves the operation going.
+            try:
+                work.wait(datetime.timedelta(seconds=ALIVE_EVERY_S) if alive else self.timeout)
+                return
+            except RuntimeError as exc:
+                if alive is None or work.is_completed() or time.monotonic() > deadline:
+                    raise BroadcastError(f"gloo broadcast failed: {exc}") from exc
+            try:
+                alive()
+            except BroadcastError:
+                # The operation still waits, and aborting the group would wait with it: it is left to end at
+                # its own timeout, the group kept meanwhile (its teardown would wait too; so does this
+                # process's exit, if it comes first).
+                _ABANDONED.append((self.pg, work))
+                self.pg = None
+                raise
 
     def close(self) -> None:
         pg, self.pg = getattr(self, "pg", None), None
@@ -225,16 +247,25 @@ class NcclComm:
                                  f"{box.get('error', 'timed out')}")
         self.comm = box["comm"]
 
-    def broadcast(self, bucket) -> None:
+    def broadcast(self, bucket, alive: Callable[[], None] | None = None) -> None:
         import torch
 
         stream = torch.cuda.current_stream()
         self.comm.bcast(bucket.data_ptr(), bucket.numel(), self.nccl.NCCL_UINT8, 0, stream.cuda_stream)
-        deadline = time.monotonic() + self.timeout_s
+        started = time.monotonic()
+        deadline, check = started + self.timeout_s, started + ALIVE_EVERY_S
         while not stream.query():
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 self.comm.abort()
                 raise BroadcastError(f"NCCL broadcast of {bucket.numel()} bytes ran past {self.timeout_s} s; aborted")
+            if alive is not None and now > check:
+                check = now + ALIVE_EVERY_S
+                try:
+                    alive()
+                except BroadcastError:
+                    self.comm.abort()
+                    raise
             time.sleep(0.001)
         self.comm.check_async_error()
 
@@ -287,7 +318,7 @@ class Member:
 
     def __init__(self, ann: dict[str, Any], device: str | None = None):
         self.epoch = ann["epoch"]
-        self.key = (ann["address"], ann["epoch"])  # epochs count from 1 again when a trainer restarts
+        self.key = (ann["address"], ann["epoch"])  # with the trainer that built it (`holds`)
         self.rank = ann["rank"]
         self.timeout_s = ann["timeout_s"]
         host = local_address_towards(ann["address"].rpartition(":")[0])
@@ -300,11 +331,32 @@ class Member:
         self.comm = make_comm(ann["backend"], self.store, self.rank, ann["world"], self.timeout_s, host)
         self.buckets = self.layout.allocate(device or self.comm.device)
 
+    def alive(self) -> None:
+        """Raise BroadcastError unless the trainer that built this place is still there: its store, on the
+        connection this place was built over, answers (a restarted trainer at the same address is a new one)."""
+        try:
+            self.store.check(["layout"])
+        except (RuntimeError, OSError) as exc:  # torch's DistNetworkError is a RuntimeError
+            raise BroadcastError(f"epoch {self.epoch}: the trainer's store no longer answers (the trainer stopped "
+                                 f"or restarted): {str(exc).splitlines()[0] if str(exc) else exc!r}") from exc
+
+    def holds(self, ann: dict[str, Any]) -> bool:
+        """Whether this is a place in the announced epoch: the same address and epoch, and the same trainer
+        (`alive`). A restarted trainer counts its epochs from 1 again, on the same address when
+        sync.rendezvous_port fixes its port."""
+        if self.key != (ann["address"], ann["epoch"]):
+            return False
+        try:
+            self.alive()
+        except BroadcastError:
+            return False
+        return True
+
     def receive(self, version: int, digest: str) -> dict[str, float]:
         """Receive every bucket of `version` and check the digest; returns seconds spent."""
         started = time.monotonic()
         for bucket in self.buckets:
-            self.comm.broadcast(bucket)
+            self.comm.broadcast(bucket, self.alive)
         received = time.monotonic()
         actual = bucket_digest(self.buckets, digest.partition(":")[0] or None)
         if actual != digest:
@@ -325,7 +377,7 @@ def receive_version(worker: Any, ann: dict[str, Any], rank: int, info: dict[str,
     returns; on any failure the place is dropped, so the next announcement starts clean.
     """
     member = getattr(worker, "_rlbus_member", None)
-    if member is not None and member.key != (ann["address"], ann["epoch"]):
+    if member is not None and not member.holds(ann):
         member.close()
         member = worker._rlbus_member = None
     started = time.monotonic()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import signal
@@ -50,9 +51,9 @@ class Root:
     """The trainer's end: the run's store, one epoch, rank 0."""
 
     def __init__(self, epoch: int, world: int, w: dict[str, torch.Tensor], versions: dict[int, dict],
-                 host: str = "127.0.0.1"):
+                 host: str = "127.0.0.1", port: int = 0):
         self.host = host
-        self.store, port = serve_store(host, 0, TIMEOUT_S)
+        self.store, port = serve_store(host, port, TIMEOUT_S)
         self.layout = Layout.plan(list(w.items()), bucket_bytes=20_000)
         self.buckets = {}
         for version, tensors in versions.items():
@@ -168,3 +169,61 @@ def test_member_killed_mid_broadcast_aborts_the_epoch_within_the_timeout_and_the
     root.open(2, 2)
     status, _, _, tensors, _, _ = receive_alone(root, 1, timeout=120)
     assert status == "ok" and tensors["c"] == bcast_member.fingerprint(big["c"])
+
+
+def test_members_whose_trainer_dies_mid_broadcast_give_up_without_waiting_out_the_timeout():
+    # gloo does not always see a sender that died mid-broadcast (plain processes here: both receivers waited
+    # out the timeout in two of three tries): a member checks meanwhile that the trainer's store still answers.
+    timeout_s = 300.0
+    ctx = mp.get_context("spawn")
+    anns, root_out, out = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    root = spawn(bcast_member.send_then_die, 3, timeout_s, anns, root_out)
+    procs = [root]
+    try:
+        ann = anns.get(timeout=120)
+        procs += [spawn(bcast_member.receive, ann, rank, [1], out) for rank in (1, 2)]
+        assert root_out.get(timeout=120)[0] == "first_bucket"
+        os.kill(root.pid, signal.SIGKILL)
+        got = [out.get(timeout=timeout_s / 2) for _ in range(2)]
+    finally:
+        for p in procs:  # a member that gave up on an operation waits for it at exit: stopped here instead
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+            p.join(timeout=10)
+    assert sorted(g[:2] for g in got) == [("failed", 1), ("failed", 2)]
+    assert not any("timed out" in g[3].lower() for g in got), got
+
+
+def test_a_trainer_restarted_on_the_same_rendezvous_port_gets_a_new_place_not_the_dead_ones():
+    # sync.rendezvous_port fixed: the restarted trainer announces epoch 1 at the same address again.
+    ctx = mp.get_context("spawn")
+    anns, out = ctx.Queue(), ctx.Queue()
+    proc = spawn(bcast_member.receive_each, anns, out)
+    versions = {1: weights(1), 2: weights(2)}
+    try:
+        first = Root(1, 2, weights(0), {1: versions[1]})
+        port = int(first.ann["address"].rpartition(":")[2])
+        anns.put(dict(first.ann, version=1, digest=first.ann["digests"]["1"]))
+        comm = first.comm()
+        for bucket in first.buckets[1]:
+            comm.broadcast(bucket)
+        assert out.get(timeout=60)[0] == "ok"
+        comm.close()
+        del first, comm  # the trainer is gone, its store too
+        gc.collect()
+
+        second = Root(1, 2, weights(0), {2: versions[2]}, port=port)
+        assert second.ann["address"] == f"127.0.0.1:{port}" and second.ann["epoch"] == 1
+        anns.put(dict(second.ann, version=2, digest=second.ann["digests"]["2"]))
+        comm = second.comm()  # the member joins the new trainer's epoch 1
+        for bucket in second.buckets[2]:
+            comm.broadcast(bucket)
+        status, tensors = out.get(timeout=60)
+        anns.put(None)
+    finally:
+        proc.join(timeout=10)
+        if proc.is_alive():
+            os.kill(proc.pid, signal.SIGKILL)
+    assert status == "ok", tensors
+    assert all(tensors[name] == bcast_member.fingerprint(t) for name, t in versions[2].items())
+    assert second.kv.check(["done/2/1"])
