@@ -172,8 +172,9 @@ def test_member_killed_mid_broadcast_aborts_the_epoch_within_the_timeout_and_the
 
 
 def test_members_whose_trainer_dies_mid_broadcast_give_up_without_waiting_out_the_timeout():
-    # gloo does not always see a sender that died mid-broadcast (plain processes here: both receivers waited
-    # out the timeout in two of three tries): a member checks meanwhile that the trainer's store still answers.
+    # gloo does not always see a sender that died mid-broadcast (a root SIGKILLed in a loop of 64 MB broadcasts:
+    # both receivers waited out the timeout in two tries of three), so a member checks that the trainer's store
+    # still answers. Before that check, this test failed in one run of three.
     timeout_s = 300.0
     ctx = mp.get_context("spawn")
     anns, root_out, out = ctx.Queue(), ctx.Queue(), ctx.Queue()

@@ -4,9 +4,10 @@
 `versions` versions, put (version, fingerprints of the tensors) on `out`.
 `receive_then_die(ann, rank, out)`: receive the first bucket only, say so, and
 wait to be killed. `send_then_die(world, timeout_s, ann_out, out)`: the
-trainer's end, which does the same as a sender. `receive_each(anns, out)`: one
-engine worker's place kept across the announcements it is given. `engine_worker(source, worker_rank,
-out)`: receive as one of an engine's workers does.
+trainer's end, killed in the middle of its second bucket. `receive_each(anns,
+out)`: one engine worker's place, kept across the announcements it is given.
+`engine_worker(source, worker_rank, out)`: receive as one of an engine's
+workers does.
 """
 
 from __future__ import annotations
