@@ -11,12 +11,12 @@ import time
 import pytest
 import torch
 
-from rlbus.weights.broadcast import (BroadcastError, Layout, bucket_digest, epoch_store, local_address_towards,
-                                      make_comm, serve_store, unique_tensors)
+from rlbus.weights.broadcast import BroadcastError, Layout, bucket_digest, local_address_towards, unique_tensors
 from tests.conftest import ipv6_loopback
 from tests.helpers import bcast_member
 
-TIMEOUT_S = 15.0
+TIMEOUT_S = bcast_member.TIMEOUT_S
+Root = bcast_member.Root
 
 
 def weights(seed: int) -> dict[str, torch.Tensor]:
@@ -45,32 +45,6 @@ def test_unique_tensors_drop_tied_duplicates():
     embed = torch.zeros(4, 2)
     names = [n for n, _ in unique_tensors({"embed": embed, "norm": torch.ones(2), "lm_head": embed})]
     assert names == ["embed", "norm"]
-
-
-class Root:
-    """The trainer's end: the run's store, one epoch, rank 0."""
-
-    def __init__(self, epoch: int, world: int, w: dict[str, torch.Tensor], versions: dict[int, dict],
-                 host: str = "127.0.0.1", port: int = 0):
-        self.host = host
-        self.store, port = serve_store(host, port, TIMEOUT_S)
-        self.layout = Layout.plan(list(w.items()), bucket_bytes=20_000)
-        self.buckets = {}
-        for version, tensors in versions.items():
-            self.buckets[version] = self.layout.allocate()
-            self.layout.fill(self.buckets[version], tensors)
-        self.ann = {"epoch": epoch, "backend": "gloo", "address": f"{host}:{port}", "world": world,
-                    "timeout_s": TIMEOUT_S,
-                    "digests": {str(v): bucket_digest(b) for v, b in self.buckets.items()}}
-        self.open(epoch, world)
-
-    def open(self, epoch: int, world: int) -> None:
-        self.ann.update(epoch=epoch, world=world)
-        self.kv, _ = epoch_store(self.ann["address"], epoch, TIMEOUT_S, store=self.store)
-        self.kv.set("layout", self.layout.to_bytes())
-
-    def comm(self):
-        return make_comm("gloo", self.kv, 0, self.ann["world"], TIMEOUT_S, self.host)
 
 
 def spawn(target, *args):

@@ -1,5 +1,6 @@
 """A broadcast member in a plain process (no vLLM), for the broadcast tests and benchmark.
 
+`Root`: the trainer's end of one epoch, in the caller's process.
 `receive(ann, rank, versions, out)`: join the announced epoch, receive
 `versions` versions, put (version, fingerprints of the tensors) on `out`.
 `receive_then_die(ann, rank, out)`: receive the first bucket only, say so, and
@@ -15,12 +16,46 @@ from __future__ import annotations
 import hashlib
 import time
 
+TIMEOUT_S = 15.0  # every wait of a `Root`'s epoch unless it is given another
+
 
 def fingerprint(tensor) -> str:
     """A hash of a tensor's bytes (tensors themselves would be shared through memory the process frees)."""
     import torch
 
     return hashlib.sha1(tensor.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+class Root:
+    """The trainer's end: the run's store, one epoch, rank 0; `versions` filled into buckets of their own."""
+
+    def __init__(self, epoch: int, world: int, w: dict, versions: dict[int, dict], host: str = "127.0.0.1",
+                 port: int = 0, timeout_s: float = TIMEOUT_S):
+        from rlbus.weights.broadcast import Layout, bucket_digest, serve_store
+
+        self.host, self.timeout_s = host, timeout_s
+        self.store, port = serve_store(host, port, timeout_s)
+        self.layout = Layout.plan(list(w.items()), bucket_bytes=20_000)
+        self.buckets = {}
+        for version, tensors in versions.items():
+            self.buckets[version] = self.layout.allocate()
+            self.layout.fill(self.buckets[version], tensors)
+        self.ann = {"epoch": epoch, "backend": "gloo", "address": f"{host}:{port}", "world": world,
+                    "timeout_s": timeout_s,
+                    "digests": {str(v): bucket_digest(b) for v, b in self.buckets.items()}}
+        self.open(epoch, world)
+
+    def open(self, epoch: int, world: int) -> None:
+        from rlbus.weights.broadcast import epoch_store
+
+        self.ann.update(epoch=epoch, world=world)
+        self.kv, _ = epoch_store(self.ann["address"], epoch, self.timeout_s, store=self.store)
+        self.kv.set("layout", self.layout.to_bytes())
+
+    def comm(self):
+        from rlbus.weights.broadcast import make_comm
+
+        return make_comm("gloo", self.kv, 0, self.ann["world"], self.timeout_s, self.host)
 
 
 def receive(ann: dict, rank: int, versions: list[int], out) -> None:
@@ -57,24 +92,16 @@ def big_weights() -> dict:
 
 
 def send_then_die(world: int, timeout_s: float, ann_out, out) -> None:
-    """The trainer's end in a process of its own: serve the run's store, open epoch 1 for `world` ranks, put its
-    announcement on `ann_out`, broadcast the first bucket of `big_weights`, say so, and broadcast the second
-    (until it is killed, which the test does as soon as it hears)."""
-    from rlbus.weights.broadcast import Layout, bucket_digest, epoch_store, make_comm, serve_store
-
-    store, port = serve_store("127.0.0.1", 0, timeout_s)
+    """The trainer's end in a process of its own: open epoch 1 of `big_weights` for `world` ranks, put its
+    announcement on `ann_out`, broadcast the first bucket, say so, and broadcast the second (until it is
+    killed, which the test does as soon as it hears)."""
     tensors = big_weights()
-    layout = Layout.plan(list(tensors.items()), bucket_bytes=1 << 20)
-    buckets = layout.allocate()
-    layout.fill(buckets, tensors)
-    kv, _ = epoch_store(f"127.0.0.1:{port}", 1, timeout_s, store=store)
-    kv.set("layout", layout.to_bytes())
-    ann_out.put({"epoch": 1, "backend": "gloo", "address": f"127.0.0.1:{port}", "world": world,
-                 "timeout_s": timeout_s, "digests": {"1": bucket_digest(buckets)}})
-    comm = make_comm("gloo", kv, 0, world, timeout_s, "127.0.0.1")
-    comm.broadcast(buckets[0])
+    root = Root(1, world, tensors, {1: tensors}, timeout_s=timeout_s)
+    ann_out.put(root.ann)
+    comm = root.comm()
+    comm.broadcast(root.buckets[1][0])
     out.put(("first_bucket", 0))
-    comm.broadcast(buckets[1])
+    comm.broadcast(root.buckets[1][1])
     time.sleep(600)
 
 
