@@ -11,6 +11,7 @@ each serves both its mode's checks and the learning check.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -198,17 +199,24 @@ def test_multi_explorer_async_by_broadcast(tiny_model, tmp_path):
 def test_streaming_explorers_swap_in_flight_one_at_a_time(tiny_model, tmp_path):
     """The preset's two streaming explorers, max_swapping 1: versions are swapped in with requests in flight,
     trajectories that spanned a swap are trained, and the two are never paused for a load at once."""
-    # Versions must arrive while requests are in flight, whichever side is faster here (the trainer's core may be
-    # the one another test loads). An explorer that reaches the staleness bound waits with nothing in flight, and
-    # the trainer's next step opens the bound at the moment it publishes: it loads that version idle. A bound of
-    # STEPS - 1 admits 16 groups at version 0; with swap_lag 1 the first swap comes once the trainer has taken 2
-    # groups and stepped once, so it finds requests in flight unless the explorers made about 11 groups in that
-    # one step, and the groups that spanned it are among the run's 16. Two samples a group halve the trainer's
-    # work without the explorers' (a decode step of two sequences costs about what one of four does here), so a
-    # trainer on a core shared with another test's processes still steps within that. Where the explorers are the
-    # slower side, every swap is in flight. (The preset puts the trainer on core 0 and both explorers on core 1.)
+    # Versions must arrive while requests are in flight, and groups made across them must be among those trained.
+    # Both hold where the trainer is the faster side: the explorers then never wait, and every version finds them
+    # generating. Where they are faster they stop at the staleness bound with nothing in flight, load each version
+    # idle, and the trainer (which takes the oldest groups first) trains what they made before the bound: a first
+    # step slowed by another test's processes let two explorers make all 16 groups of a run with the bound at
+    # STEPS - 1 before version 1 came (so nothing trained had spanned a swap). Hence the preset's cores, which the
+    # other presets' runs here leave unpinned: the trainer alone on one, both explorers on the other. So pinned, the
+    # trainer's step took 0.9-1.2 s (median of a run, ten runs) and each explorer's group 1.9-2.6 s, and the trainer
+    # waited for its batches; beside two busy loops on the trainer's core, 1.9 s and 2.4 s, and it still waited.
+    # And a bound of 3, which admits 8 groups at version 0, so the last 4 steps train groups begun after version 1
+    # however slow the first step. Two samples a group halve the trainer's work without the explorers' (a decode
+    # step of two sequences costs about what one of four does here).
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("the preset puts the trainer and the explorers on two different cores; this host lets us use one")
     run_dir, info = run_preset("streaming", tiny_model, tmp_path, "rollout.max_tokens=128", "rollout.repeat=2",
-                               "explorer.swap_lag=1", "explorer.inflight_tasks=1", f"sync.max_staleness={STEPS - 1}")
+                               "explorer.swap_lag=1", "explorer.inflight_tasks=1", "sync.max_staleness=3",
+                               f'launch.trainer_cpus="{cores[0]}"', f'launch.explorer_cpus=["{cores[1]}","{cores[1]}"]')
     assert info["cfg"].launch.explorers == 2 and info["cfg"].sync.max_swapping == 1
     names = explorer_names(run_dir)
     assert len(names) == 2 and all(events(run_dir, n, "explorer_groups") for n in names)
