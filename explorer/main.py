@@ -119,7 +119,7 @@ class Explorer:
     def _capabilities(self) -> dict[str, Any]:
         if self.cfg.explorer.receive != "auto":
             return {"sync_methods": ["checkpoint"]}
-        from rlbus.weights.broadcast import resolve_backend, unavailable
+        from rlbus.weights.comm import resolve_backend, unavailable
 
         backend = resolve_backend(self.cfg.sync.broadcast_backend)
         reason = unavailable(backend)

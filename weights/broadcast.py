@@ -11,12 +11,9 @@ Everything here is shared by both ends and both backends:
   rendezvous, then one `done/{version}/{rank}` key per member that received
   a version whole. Each epoch builds its own communicator from that store;
   there is no global default group, so groups come and go with membership.
-- Backends behind one small interface (`broadcast(bucket, alive)`, `close()`,
-  every wait bounded by the epoch's timeout, and cut short when `alive`
-  says the sender is gone):
-  `gloo` (torch.distributed's ProcessGroupGloo over TCP, CPU tensors) and
-  `nccl` (cupy's NCCL binding, CUDA tensors, with a stream polled until a
-  deadline and the communicator aborted past it).
+- The communicators (rlbus.weights.comm): gloo over TCP for CPU tensors,
+  NCCL for CUDA ones, each wait bounded by the epoch's timeout and cut short
+  when the other end is gone.
 - `bucket_digest`: xxh3 (or BLAKE2b) over the buckets' bytes, so a member
   checks what it received before its policy version moves.
 """
@@ -25,21 +22,16 @@ from __future__ import annotations
 
 import datetime
 import socket
-import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import msgpack
 
+from rlbus.weights.comm import BroadcastError, make_comm
 from rlbus.weights.digest import hasher, default_algorithm
 
 ALIGN = 64  # bytes; every tensor view starts on a multiple of this
-ALIVE_EVERY_S = 0.5  # while a member waits for a bucket, how often it checks that the trainer is still there
-
-
-class BroadcastError(RuntimeError):
-    """A broadcast or its rendezvous failed or ran past its deadline; the epoch is over."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,162 +144,6 @@ def epoch_store(address: str, epoch: int, timeout_s: float, store=None):
         host, _, port = address.rpartition(":")
         store = TCPStore(host, int(port), None, False, datetime.timedelta(seconds=timeout_s))
     return PrefixStore(f"e{epoch}", store), store
-
-
-# ---- backends ---------------------------------------------------------------
-
-
-_ABANDONED: list = []  # (group, operation): gloo groups given up while an operation still waited
-
-
-class GlooComm:
-    """torch.distributed's gloo, over TCP, for CPU tensors; its own group, built from the epoch's store."""
-
-    device = "cpu"
-
-    def __init__(self, store, rank: int, world: int, timeout_s: float, host: str):
-        from torch.distributed import ProcessGroupGloo
-
-        _ABANDONED[:] = [a for a in _ABANDONED if not a[1].is_completed()]  # ended (at their timeout at the latest)
-        self.timeout = datetime.timedelta(seconds=timeout_s)
-        opts = ProcessGroupGloo._Options()
-        opts._timeout = self.timeout
-        opts._devices = [ProcessGroupGloo.create_device(hostname=host)]
-        try:
-            self.pg = ProcessGroupGloo(store, rank, world, opts)
-        except RuntimeError as exc:
-            raise BroadcastError(f"gloo rendezvous failed (rank {rank} of {world}): {exc}") from exc
-
-    def broadcast(self, bucket, alive: Callable[[], None] | None = None) -> None:
-        from torch.distributed import BroadcastOptions
-
-        opts = BroadcastOptions()
-        opts.rootRank = 0
-        opts.timeout = self.timeout
-        deadline = time.monotonic() + self.timeout.total_seconds()
-        work = self.pg.broadcast([bucket], opts)
-        while True:
-            # Waited in slices: gloo does not always see a sender that died mid-broadcast, and would then wait
-            # out the whole timeout. A wait that runs out leaves the operation going.
-            try:
-                work.wait(datetime.timedelta(seconds=ALIVE_EVERY_S) if alive else self.timeout)
-                return
-            except RuntimeError as exc:
-                if alive is None or work.is_completed() or time.monotonic() > deadline:
-                    raise BroadcastError(f"gloo broadcast failed: {exc}") from exc
-            try:
-                alive()
-            except BroadcastError:
-                # The operation still waits, and aborting the group would wait with it: it is left to end at
-                # its own timeout, the group kept meanwhile (its teardown would wait too; so does this
-                # process's exit, if it comes first).
-                _ABANDONED.append((self.pg, work))
-                self.pg = None
-                raise
-
-    def close(self) -> None:
-        pg, self.pg = getattr(self, "pg", None), None
-        if pg is not None:
-            try:
-                pg.abort()
-            except RuntimeError:
-                pass
-
-
-class NcclComm:
-    """cupy's NCCL binding, GPU to GPU. Rank 0 puts the unique id in the epoch's store."""
-
-    device = "cuda"
-
-    def __init__(self, store, rank: int, world: int, timeout_s: float, host: str = ""):
-        from cupy.cuda import nccl
-
-        self.nccl = nccl
-        self.timeout_s = timeout_s
-        if rank == 0:
-            uid = nccl.get_unique_id()
-            store.set("nccl_uid", msgpack.packb(list(uid) if not isinstance(uid, bytes) else uid))
-        else:
-            store.wait(["nccl_uid"], datetime.timedelta(seconds=timeout_s))
-            raw = msgpack.unpackb(store.get("nccl_uid"))
-            uid = tuple(raw) if isinstance(raw, list) else raw
-        box: dict[str, Any] = {}
-
-        def init() -> None:
-            try:
-                box["comm"] = nccl.NcclCommunicator(world, uid, rank)
-            except Exception as exc:  # reported below, in the caller's thread
-                box["error"] = exc
-
-        worker = threading.Thread(target=init, daemon=True, name="nccl-init")
-        worker.start()
-        worker.join(timeout_s)
-        if "comm" not in box:
-            raise BroadcastError(f"NCCL init (rank {rank} of {world}) failed or took over {timeout_s} s: "
-                                 f"{box.get('error', 'timed out')}")
-        self.comm = box["comm"]
-
-    def broadcast(self, bucket, alive: Callable[[], None] | None = None) -> None:
-        import torch
-
-        stream = torch.cuda.current_stream()
-        self.comm.bcast(bucket.data_ptr(), bucket.numel(), self.nccl.NCCL_UINT8, 0, stream.cuda_stream)
-        started = time.monotonic()
-        deadline, check = started + self.timeout_s, started + ALIVE_EVERY_S
-        while not stream.query():
-            now = time.monotonic()
-            if now > deadline:
-                self.comm.abort()
-                raise BroadcastError(f"NCCL broadcast of {bucket.numel()} bytes ran past {self.timeout_s} s; aborted")
-            if alive is not None and now > check:
-                check = now + ALIVE_EVERY_S
-                try:
-                    alive()
-                except BroadcastError:
-                    self.comm.abort()
-                    raise
-            time.sleep(0.001)
-        self.comm.check_async_error()
-
-    def close(self) -> None:
-        comm, self.comm = getattr(self, "comm", None), None
-        if comm is not None:
-            comm.destroy()
-
-
-BACKENDS = {"gloo": GlooComm, "nccl": NcclComm}
-
-
-def make_comm(backend: str, store, rank: int, world: int, timeout_s: float, host: str):
-    try:
-        cls = BACKENDS[backend]
-    except KeyError:
-        raise ValueError(f"unknown broadcast backend {backend!r}; expected one of {sorted(BACKENDS)}") from None
-    return cls(store, rank, world, timeout_s, host)
-
-
-def unavailable(backend: str) -> str | None:
-    """Why `backend` cannot run in this process, or None when it can."""
-    if backend == "gloo":
-        return None
-    if backend != "nccl":
-        return f"unknown broadcast backend {backend!r}; expected one of {sorted(BACKENDS)}"
-    try:
-        from cupy.cuda import nccl  # noqa: F401
-    except ImportError as exc:
-        return f"the nccl backend needs cupy with NCCL (pip install cupy-cuda12x nvidia-nccl-cu12): {exc}"
-    import torch
-
-    if not torch.cuda.is_available():
-        return "the nccl backend needs a CUDA device; use broadcast_backend gloo on CPU"
-    return None
-
-
-def resolve_backend(name: str) -> str:
-    """`auto`: nccl where CUDA and cupy are present, else gloo."""
-    if name != "auto":
-        return name
-    return "nccl" if unavailable("nccl") is None else "gloo"
 
 
 # ---- the member's side ------------------------------------------------------

@@ -15,8 +15,10 @@ For every published version, on the trainer's publishing thread:
    receives the whole version and loads its own part of it.
 3. Broadcast every bucket from rank 0, then wait for each member's
    `done/{version}/{rank}` key, one per worker (written after its digest check). Every wait
-   is bounded by `sync.sync_timeout_s`; past it, or on any error, the epoch
-   is aborted and the next version opens a new one without the suspects.
+   is bounded by `sync.sync_timeout_s`, and cut short once the broker no
+   longer lists a member (it drops one silent past its liveness: stopped, or
+   its host gone); then, or on any error, the epoch is aborted and the next
+   version opens a new one without the suspects.
 4. Checkpoint. The same buckets are written as `weights/v{version}/` and
    PUBLISHed with their location: members that failed, explorers outside
    the group, late joiners and restarts load that.
@@ -28,14 +30,16 @@ from __future__ import annotations
 
 import datetime
 import time
+from concurrent.futures import CancelledError
 from typing import Any
 
 import structlog
 
 from rlbus.common import protocol as P
+from rlbus.common.client import BrokerError
 from rlbus.common.config import RunConfig
-from rlbus.weights.broadcast import (BroadcastError, Layout, bucket_digest, epoch_store, make_comm,
-                                      resolve_backend, serve_store, unavailable, unique_tensors)
+from rlbus.weights.broadcast import Layout, bucket_digest, epoch_store, serve_store, unique_tensors
+from rlbus.weights.comm import ALIVE_EVERY_S, BroadcastError, make_comm, resolve_backend, unavailable
 from rlbus.weights.checkpoint import CheckpointSender
 
 log = structlog.get_logger()
@@ -161,11 +165,11 @@ class BroadcastSender:
             if self.comm is None:
                 self.comm = make_comm(self.backend, self.epoch_kv, 0, world, self.timeout_s, self.host)
             joined = time.monotonic()
+            alive = self._still_listed(list(ranks))
             for bucket in buckets:
-                self.comm.broadcast(bucket)
+                self.comm.broadcast(bucket, alive)
             sent = time.monotonic()
-            keys = [key for keys in done.values() for key in keys]
-            self.epoch_kv.wait(keys, datetime.timedelta(seconds=max(0.1, self.timeout_s - (sent - started))))
+            self._wait_done([key for keys in done.values() for key in keys], started + self.timeout_s, alive)
         except (BroadcastError, RuntimeError) as exc:
             missing = [n for n, keys in done.items() if not self.epoch_kv.check(keys)]
             for name in missing:
@@ -177,6 +181,35 @@ class BroadcastSender:
         log.info("broadcast_done", epoch=self.epoch, policy_version=version, members=len(members),
                  bytes=self.layout.nbytes, rendezvous_s=round(joined - started, 3),
                  send_s=round(sent - joined, 3), seconds=round(time.monotonic() - started, 3))
+
+    def _still_listed(self, names: list[str]):
+        """For the waits of a broadcast: a check that raises BroadcastError once the broker no longer lists one of
+        the epoch's members. It drops a peer silent for `broker.liveness` heartbeats: one stopped, or on a host
+        gone from the network, whose connections stay open and on which gloo would wait out the whole timeout.
+        A broker that does not answer at once tells nothing: the wait goes on."""
+        def alive() -> None:
+            try:
+                status = self.client.request(P.STATUS, {}, timeout=ALIVE_EVERY_S).header
+            except (TimeoutError, BrokerError, CancelledError):  # no answer now (busy, restarting, stopping)
+                return
+            listed = {peer["name"] for peer in status.get("peers", [])}
+            gone = [name for name in names if name not in listed]
+            if gone:
+                raise BroadcastError(f"epoch {self.epoch}: the broker no longer lists {', '.join(gone)} "
+                                     f"(stopped, or silent past its liveness)")
+        return alive
+
+    def _wait_done(self, keys: list[str], deadline: float, alive) -> None:
+        """Wait for every member's done key until `deadline`, checking `alive` every ALIVE_EVERY_S."""
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                self.epoch_kv.wait(keys, datetime.timedelta(seconds=max(0.1, min(ALIVE_EVERY_S, left))))
+                return
+            except RuntimeError:  # torch's DistStoreError: not all there yet
+                if left <= ALIVE_EVERY_S:
+                    raise
+            alive()
 
     def close(self) -> None:
         self._close_comm()

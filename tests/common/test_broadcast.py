@@ -160,8 +160,11 @@ def test_members_whose_trainer_dies_mid_broadcast_give_up_without_waiting_out_th
         assert root_out.get(timeout=120)[0] == "first_bucket"
         os.kill(root.pid, signal.SIGKILL)
         got = [out.get(timeout=timeout_s / 2) for _ in range(2)]
+        for p in procs[1:]:  # and end at once, without waiting at exit for the operation they gave up on
+            p.join(timeout=60)
+        assert [p.exitcode for p in procs[1:]] == [0, 0]
     finally:
-        for p in procs:  # a member that gave up on an operation waits for it at exit: stopped here instead
+        for p in procs:
             if p.is_alive():
                 os.kill(p.pid, signal.SIGKILL)
             p.join(timeout=10)

@@ -131,8 +131,9 @@ def test_mixed_fleet_late_joiner_gets_the_checkpoint_then_the_broadcast(broker_f
         tear_down(ex, thread, files, pub, engine, tiny_model)
 
 
-def test_member_killed_mid_broadcast_does_not_hang_the_trainer(broker_factory, clients, engine, tiny_model, tmp_path):
-    timeout_s = 10.0
+def trainer_and_victim(broker_factory, clients, tiny_model: str, tmp_path: Path, timeout_s: float):
+    """A broker, the trainer's publisher attached to it, and a victim member in a process of its own (in its own
+    session) that touches the returned marker once it has received its first bucket, then receives no more."""
     b = broker_factory("sync.sync_style=async", "sync.max_staleness=100", "rollout.repeat=4", "data.batch_tasks=2")
     trainer = clients(b, "trainer", "tr")
     pub = publisher(tmp_path, tiny_model, timeout_s=timeout_s)
@@ -141,6 +142,36 @@ def test_member_killed_mid_broadcast_does_not_hang_the_trainer(broker_factory, c
     victim = subprocess.Popen([sys.executable, "-m", "tests.helpers.bcast_member", b.address, b.bus, "victim",
                                str(marker)], cwd=REPO, stdout=subprocess.DEVNULL,
                               stderr=open(tmp_path / "victim.err", "w"), start_new_session=True)
+    return b, trainer, pub, victim, marker
+
+
+def test_a_member_stopped_mid_broadcast_is_given_up_once_the_broker_drops_it(broker_factory, clients, tiny_model,
+                                                                             tmp_path):
+    # A stopped member, or one whose host left the network, keeps its connections open, and gloo would wait out
+    # the whole timeout for it. The broker drops it once it has been silent for its liveness (5 x 0.2 s here).
+    timeout_s = 300.0
+    _, trainer, pub, victim, marker = trainer_and_victim(broker_factory, clients, tiny_model, tmp_path, timeout_s)
+    try:
+        wait_for(lambda: "victim" in peers(trainer), 60, "the victim to connect")
+        weights = tiny_weights(tmp_path, tiny_model, 1)
+        publishing = threading.Thread(target=lambda: pub.publish(pub.snapshot(weights), 1, 0), daemon=True)
+        publishing.start()
+        wait_for(marker.exists, 60, "the victim to receive its first bucket")
+        os.killpg(victim.pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        publishing.join(timeout_s / 2)
+        assert not publishing.is_alive(), "the trainer waits out the timeout for a stopped member"
+        assert time.monotonic() - stopped < timeout_s / 4
+        assert pub.comm is None and "victim" in pub.suspects, "the epoch was not aborted"
+    finally:
+        os.killpg(victim.pid, signal.SIGKILL)
+        reap(victim)
+        pub.close()
+
+
+def test_member_killed_mid_broadcast_does_not_hang_the_trainer(broker_factory, clients, engine, tiny_model, tmp_path):
+    timeout_s = 10.0
+    b, trainer, pub, victim, marker = trainer_and_victim(broker_factory, clients, tiny_model, tmp_path, timeout_s)
     ex = Explorer(explorer_config(b, "sync.sync_style=async"), engine, name="survivor")
     thread = start_explorer(ex)
     try:
