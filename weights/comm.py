@@ -59,8 +59,8 @@ class GlooComm:
         deadline = time.monotonic() + self.timeout.total_seconds()
         work = self.pg.broadcast([bucket], opts)
         while True:
-            # Waited in slices: gloo does not always see a sender that died mid-broadcast, and would then wait
-            # out the whole timeout. A wait that runs out leaves the operation going.
+            # Waited in slices: gloo does not always see a sender that died mid-broadcast, nor ever a member that
+            # stopped, and would then wait out the whole timeout. A wait that runs out leaves the operation going.
             try:
                 work.wait(datetime.timedelta(seconds=ALIVE_EVERY_S) if alive else self.timeout)
                 return
@@ -71,8 +71,8 @@ class GlooComm:
                 alive()
             except BroadcastError:
                 # The operation still waits, and aborting the group would wait with it: it is left to end at
-                # its own timeout, the group kept meanwhile (its teardown would wait too; so does this
-                # process's exit, if it comes first).
+                # its own timeout, the group kept meanwhile (its teardown would wait too; at exit it is left
+                # undestroyed, `_leave_abandoned`).
                 _ABANDONED.append((self.pg, work))
                 self.pg = None
                 raise
