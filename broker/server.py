@@ -349,7 +349,8 @@ class Broker:
         now = time.time()
         c = self.store.counts
         return {
-            "run_id": self.run_id, "weights": self.bus.state, "trainer_step": self.buffer.trainer_step,
+            "run_id": self.run_id, "uptime_s": round(time.monotonic() - self.started, 3), "weights": self.bus.state,
+            "trainer_step": self.buffer.trainer_step,
             "peers": [{"name": p.name, "role": p.role, "policy_version": p.policy_version,
                        "last_seen_s": round(now - p.last_seen, 3), "leases": self.tasks.held_by(p.name),
                        "capabilities": p.info.get("capabilities", {})}

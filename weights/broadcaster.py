@@ -186,11 +186,16 @@ class BroadcastSender:
         """For the waits of a broadcast: a check that raises BroadcastError once the broker no longer lists one of
         the epoch's members. It drops a peer silent for `broker.liveness` heartbeats: one stopped, or on a host
         gone from the network, whose connections stay open and on which gloo would wait out the whole timeout.
-        A broker that does not answer at once tells nothing: the wait goes on."""
+        A broker that does not answer at once, or that started less than two liveness windows ago (within which
+        its peers say HELLO to it again), tells nothing: the wait goes on."""
+        grace = 2 * self.client.liveness * self.client.hb
+
         def alive() -> None:
             try:
                 status = self.client.request(P.STATUS, {}, timeout=ALIVE_EVERY_S).header
             except (TimeoutError, BrokerError, CancelledError):  # no answer now (busy, restarting, stopping)
+                return
+            if status.get("uptime_s", grace) < grace:  # restarted just now: its members are still saying HELLO
                 return
             listed = {peer["name"] for peer in status.get("peers", [])}
             gone = [name for name in names if name not in listed]

@@ -23,8 +23,10 @@ def test_join_status_and_leave(broker, clients):
     """HELLO registers a peer, STATUS lists it, BYE removes it at once."""
     a = clients(broker, "explorer", "ex-a")
     t = clients(broker, "tool", "tool-1")
-    names = {p["name"] for p in status(t)["peers"]}
+    first = status(t)
+    names = {p["name"] for p in first["peers"]}
     assert {"ex-a", "tool-1"} <= names
+    assert 0 < first["uptime_s"] < status(t)["uptime_s"]  # seconds since the broker started
     assert a.welcome["weights"]["version"] == 0
     a.close(bye=True)
     wait_for(lambda: "ex-a" not in {p["name"] for p in status(t)["peers"]}, 3, "ex-a dropped")
