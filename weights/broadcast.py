@@ -9,8 +9,9 @@ Everything here is shared by both ends and both backends:
 - Rendezvous: the trainer serves one `TCPStore` for the run. Epoch E lives
   under the prefix `e{E}/`: the manifest, then the communicator's own
   rendezvous, then one `done/{version}/{rank}` key per member that received
-  a version whole. Each epoch builds its own communicator from that store;
-  there is no global default group, so groups come and go with membership.
+  a version whole, and `aborted` if the trainer gives up on the epoch. Each
+  epoch builds its own communicator from that store; there is no global
+  default group, so groups come and go with membership.
 - The communicators (rlbus.weights.comm): gloo over TCP for CPU tensors,
   NCCL for CUDA ones, each wait bounded by the epoch's timeout and cut short
   when the other end is gone.
@@ -168,13 +169,17 @@ class Member:
         self.buckets = self.layout.allocate(device or self.comm.device)
 
     def alive(self) -> None:
-        """Raise BroadcastError unless the trainer that built this place is still there: its store, on the
-        connection this place was built over, answers (a restarted trainer at the same address is a new one)."""
+        """Raise BroadcastError unless the trainer that built this place is still there and still broadcasting in
+        this epoch: its store, on the connection this place was built over, answers (a restarted trainer at the
+        same address is a new one), and has no `aborted` key for the epoch (the trainer gave up on it while this
+        member waited, and has moved on to another)."""
         try:
-            self.store.check(["layout"])
+            aborted = self.store.check(["layout"]) and self.store.check(["aborted"])
         except (RuntimeError, OSError) as exc:  # torch's DistNetworkError is a RuntimeError
             raise BroadcastError(f"epoch {self.epoch}: the trainer's store no longer answers (the trainer stopped "
                                  f"or restarted): {str(exc).splitlines()[0] if str(exc) else exc!r}") from exc
+        if aborted:
+            raise BroadcastError(f"epoch {self.epoch}: the trainer aborted it")
 
     def holds(self, ann: dict[str, Any]) -> bool:
         """Whether this is a place in the announced epoch: the same address and epoch, and the same trainer

@@ -17,7 +17,8 @@ For every published version, on the trainer's publishing thread:
    `done/{version}/{rank}` key, one per worker (written after its digest check). Every wait
    is bounded by `sync.sync_timeout_s`, and cut short once the broker no
    longer lists a member (it drops one silent past its liveness: stopped, or
-   its host gone); then, or on any error, the epoch is aborted and the next
+   its host gone); then, or on any error, the epoch is aborted (an `aborted`
+   key in its store tells the members still waiting in it) and the next
    version opens a new one without the suspects.
 4. Checkpoint. The same buckets are written as `weights/v{version}/` and
    PUBLISHed with their location: members that failed, explorers outside
@@ -174,6 +175,7 @@ class BroadcastSender:
             missing = [n for n, keys in done.items() if not self.epoch_kv.check(keys)]
             for name in missing:
                 self.suspects[name] = version
+            self.epoch_kv.set("aborted", b"1")  # members still waiting in it give up (`Member.alive`)
             self._close_comm()
             log.warning("broadcast_aborted", epoch=self.epoch, policy_version=version, error=str(exc)[:300],
                         unfinished=missing, seconds=round(time.monotonic() - started, 3))

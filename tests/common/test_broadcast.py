@@ -145,6 +145,37 @@ def test_member_killed_mid_broadcast_aborts_the_epoch_within_the_timeout_and_the
     assert status == "ok" and tensors["c"] == bcast_member.fingerprint(big["c"])
 
 
+def test_a_member_waiting_in_an_epoch_the_trainer_aborted_leaves_it_without_waiting_out_the_timeout():
+    # The trainer gives up on an epoch whose other member stopped receiving (as when the broker no longer lists
+    # it) while this member waits for a bucket that will not come, and says so in the epoch's store.
+    timeout_s = 300.0
+    big = {"a": torch.randn(4096, 1024), "b": torch.randn(16 << 10, 1024), "c": torch.randn(4096, 1024)}
+    root = Root(1, 3, big, {1: big}, timeout_s=timeout_s)
+    out, stuck_out = mp.get_context("spawn").Queue(), mp.get_context("spawn").Queue()
+    member = spawn(bcast_member.receive, root.ann, 1, [1], out)
+    stuck = spawn(bcast_member.receive_then_die, root.ann, 2, stuck_out)  # receives the first bucket only
+    try:
+        comm = root.comm()
+        comm.broadcast(root.buckets[1][0])
+        assert stuck_out.get(timeout=120)[0] == "first_bucket"
+
+        def gone() -> None:
+            raise BroadcastError("rank 2 left")
+
+        with pytest.raises(BroadcastError, match="rank 2 left"):
+            comm.broadcast(root.buckets[1][1], gone)  # the 64 MB bucket: rank 2 does not take it
+        root.kv.set("aborted", b"1")  # as the trainer's publisher does when it gives up on an epoch
+        status, rank, _, message, _, _ = out.get(timeout=timeout_s / 5)
+        member.join(timeout=60)  # and ends at once, leaving the operation it gave up on
+        assert member.exitcode == 0
+    finally:
+        for p in (member, stuck):
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+            p.join(timeout=10)
+    assert (status, rank) == ("failed", 1) and "the trainer aborted it" in message, message
+
+
 def test_members_whose_trainer_dies_mid_broadcast_give_up_without_waiting_out_the_timeout():
     # gloo does not always see a sender that died mid-broadcast (a root SIGKILLed in a loop of 64 MB broadcasts:
     # both receivers waited out the timeout in two tries of three), so a member checks that the trainer's store

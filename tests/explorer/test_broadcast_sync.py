@@ -145,16 +145,21 @@ def trainer_and_victim(broker_factory, clients, tiny_model: str, tmp_path: Path,
     return b, trainer, pub, victim, marker
 
 
-def test_a_member_stopped_mid_broadcast_is_given_up_once_the_broker_drops_it(broker_factory, clients, tiny_model,
-                                                                             tmp_path):
+def test_a_member_stopped_mid_broadcast_is_given_up_once_the_broker_drops_it(broker_factory, clients, engine,
+                                                                             tiny_model, tmp_path):
     # A stopped member, or one whose host left the network, keeps its connections open, and gloo would wait out
     # the whole timeout for it. The broker drops it once it has been silent for its liveness (5 x 0.2 s here).
+    # The survivor, waiting for a bucket of the epoch the trainer gave up on, leaves it too.
     timeout_s = 300.0
-    _, trainer, pub, victim, marker = trainer_and_victim(broker_factory, clients, tiny_model, tmp_path, timeout_s)
+    b, trainer, pub, victim, marker = trainer_and_victim(broker_factory, clients, tiny_model, tmp_path, timeout_s)
+    ex = Explorer(explorer_config(b, "sync.sync_style=async"), engine, name="survivor")
+    thread = start_explorer(ex)
     try:
-        wait_for(lambda: "victim" in peers(trainer), 60, "the victim to connect")
+        wait_for(lambda: {"victim", "survivor"} <= set(peers(trainer)), 60, "both members to connect")
+        box: dict = {}
         weights = tiny_weights(tmp_path, tiny_model, 1)
-        publishing = threading.Thread(target=lambda: pub.publish(pub.snapshot(weights), 1, 0), daemon=True)
+        publishing = threading.Thread(target=lambda: box.update(state=pub.publish(pub.snapshot(weights), 1, 0)),
+                                      daemon=True)
         publishing.start()
         wait_for(marker.exists, 60, "the victim to receive its first bucket")
         os.killpg(victim.pid, signal.SIGSTOP)
@@ -163,10 +168,18 @@ def test_a_member_stopped_mid_broadcast_is_given_up_once_the_broker_drops_it(bro
         assert not publishing.is_alive(), "the trainer waits out the timeout for a stopped member"
         assert time.monotonic() - stopped < timeout_s / 4
         assert pub.comm is None and "victim" in pub.suspects, "the epoch was not aborted"
+        assert pub.epoch_kv.check(["aborted"])  # what tells members still waiting in it (tests/common)
+        trainer.request(P.PUBLISH, box["state"])
+        wait_for(lambda: engine.version == 1, 60, "the survivor to reach version 1")
+
+        # The next version goes by broadcast to the survivor in a new epoch, without waiting for the old one's end.
+        state = pub.publish(pub.snapshot(tiny_weights(tmp_path, tiny_model, 2)), 2, 1)
+        assert pub.members == (("survivor", 1),) and pub.epoch == 2
+        wait_for(lambda: engine.version == 2, 60, "the survivor to load version 2")
+        assert engine.last_load["method"] == "nccl"
+        trainer.request(P.PUBLISH, state)
     finally:
-        os.killpg(victim.pid, signal.SIGKILL)
-        reap(victim)
-        pub.close()
+        tear_down(ex, thread, victim, pub, engine, tiny_model)
 
 
 def test_member_killed_mid_broadcast_does_not_hang_the_trainer(broker_factory, clients, engine, tiny_model, tmp_path):
