@@ -175,7 +175,10 @@ class BroadcastSender:
             missing = [n for n, keys in done.items() if not self.epoch_kv.check(keys)]
             for name in missing:
                 self.suspects[name] = version
-            self.epoch_kv.set("aborted", b"1")  # members still waiting in it give up (`Member.alive`)
+            try:
+                self.epoch_kv.set("aborted", b"1")  # members still waiting in it give up (`Member.alive`)
+            except RuntimeError:  # this process's own store: not expected; they wait out their own timeout then
+                pass
             self._close_comm()
             log.warning("broadcast_aborted", epoch=self.epoch, policy_version=version, error=str(exc)[:300],
                         unfinished=missing, seconds=round(time.monotonic() - started, 3))
