@@ -165,7 +165,10 @@ class Member:
         except RuntimeError as exc:
             raise BroadcastError(f"epoch {self.epoch}: no layout in the store: {exc}") from exc
         self.layout = Layout.from_bytes(self.store.get("layout"))
-        self.comm = make_comm(ann["backend"], self.store, self.rank, ann["world"], self.timeout_s, host)
+        # The rendezvous on a connection of its own: one given up on waits on it until its timeout, and every
+        # call on a store connection waits for the one before it (`alive` asks on `self.store`).
+        rendezvous, _ = epoch_store(ann["address"], self.epoch, self.timeout_s)
+        self.comm = make_comm(ann["backend"], rendezvous, self.rank, ann["world"], self.timeout_s, host, self.alive)
         self.buckets = self.layout.allocate(device or self.comm.device)
 
     def alive(self) -> None:

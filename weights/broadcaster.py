@@ -163,10 +163,11 @@ class BroadcastSender:
         self.client.request(P.PUBLISH, {"version": version, "method": "nccl", "location": "", "digest": "",
                                         "step": step, "broadcast": announcement}, timeout=self.timeout_s)
         try:
-            if self.comm is None:
-                self.comm = make_comm(self.backend, self.epoch_kv, 0, world, self.timeout_s, self.host)
-            joined = time.monotonic()
             alive = self._still_listed(list(ranks))
+            if self.comm is None:  # the rendezvous on a connection of its own, as a member's (`Member`)
+                rendezvous, _ = epoch_store(self.address, self.epoch, self.timeout_s)
+                self.comm = make_comm(self.backend, rendezvous, 0, world, self.timeout_s, self.host, alive)
+            joined = time.monotonic()
             for bucket in buckets:
                 self.comm.broadcast(bucket, alive)
             sent = time.monotonic()

@@ -1,6 +1,6 @@
-"""The communicators a broadcast epoch builds, behind one small interface: `broadcast(bucket, alive)` and
-`close()`, every wait bounded by the epoch's timeout and cut short when `alive` (the caller's check that the
-other end is still there) raises.
+"""The communicators a broadcast epoch builds, behind one small interface: `make_comm(..., alive)` (the
+rendezvous), `broadcast(bucket, alive)` and `close()`, every wait bounded by the epoch's timeout and cut short
+when `alive` (the caller's check that the other end is still there) raises.
 
 - `gloo`: torch.distributed's ProcessGroupGloo over TCP, CPU tensors.
 - `nccl`: cupy's NCCL binding, CUDA tensors, with a stream polled until a
@@ -32,12 +32,38 @@ class BroadcastError(RuntimeError):
 _ABANDONED: list = []  # (group, operation): gloo groups given up while an operation still waited
 
 
+def _rendezvous(build: Callable[[], Any], alive: Callable[[], None] | None):
+    """What `build()` (a blocking rendezvous, bounded by its own timeout) returns; given up on as soon as `alive`,
+    asked every ALIVE_EVERY_S meanwhile, raises. A rendezvous cannot be cut short: one given up on goes on in its
+    thread until it ends, and what it built then, if anything, is let go."""
+    if alive is None:
+        return build()
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["made"] = build()
+        except Exception as exc:  # raised in the caller's thread below
+            box["error"] = exc
+
+    worker = threading.Thread(target=run, daemon=True, name="rlbus-rendezvous")
+    worker.start()
+    while worker.is_alive():
+        worker.join(ALIVE_EVERY_S)
+        if worker.is_alive():
+            alive()
+    if "error" in box:
+        raise box["error"]
+    return box["made"]
+
+
 class GlooComm:
     """torch.distributed's gloo, over TCP, for CPU tensors; its own group, built from the epoch's store."""
 
     device = "cpu"
 
-    def __init__(self, store, rank: int, world: int, timeout_s: float, host: str):
+    def __init__(self, store, rank: int, world: int, timeout_s: float, host: str,
+                 alive: Callable[[], None] | None = None):
         from torch.distributed import ProcessGroupGloo
 
         _ABANDONED[:] = [a for a in _ABANDONED if not a[1].is_completed()]  # ended (at their timeout at the latest)
@@ -46,7 +72,7 @@ class GlooComm:
         opts._timeout = self.timeout
         opts._devices = [ProcessGroupGloo.create_device(hostname=host)]
         try:
-            self.pg = ProcessGroupGloo(store, rank, world, opts)
+            self.pg = _rendezvous(lambda: ProcessGroupGloo(store, rank, world, opts), alive)
         except RuntimeError as exc:
             raise BroadcastError(f"gloo rendezvous failed (rank {rank} of {world}): {exc}") from exc
 
@@ -91,7 +117,8 @@ class NcclComm:
 
     device = "cuda"
 
-    def __init__(self, store, rank: int, world: int, timeout_s: float, host: str = ""):
+    def __init__(self, store, rank: int, world: int, timeout_s: float, host: str = "",
+                 alive: Callable[[], None] | None = None):
         from cupy.cuda import nccl
 
         self.nccl = nccl
@@ -113,7 +140,11 @@ class NcclComm:
 
         worker = threading.Thread(target=init, daemon=True, name="nccl-init")
         worker.start()
-        worker.join(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while worker.is_alive() and time.monotonic() < deadline:
+            worker.join(min(ALIVE_EVERY_S, max(0.0, deadline - time.monotonic())))
+            if alive is not None and worker.is_alive():
+                alive()
         if "comm" not in box:
             raise BroadcastError(f"NCCL init (rank {rank} of {world}) failed or took over {timeout_s} s: "
                                  f"{box.get('error', 'timed out')}")
@@ -150,12 +181,15 @@ class NcclComm:
 BACKENDS = {"gloo": GlooComm, "nccl": NcclComm}
 
 
-def make_comm(backend: str, store, rank: int, world: int, timeout_s: float, host: str):
+def make_comm(backend: str, store, rank: int, world: int, timeout_s: float, host: str,
+              alive: Callable[[], None] | None = None):
+    """The epoch's communicator for this rank, once every rank has joined; with `alive`, given up on as soon as it
+    raises (asked every ALIVE_EVERY_S while the rendezvous waits)."""
     try:
         cls = BACKENDS[backend]
     except KeyError:
         raise ValueError(f"unknown broadcast backend {backend!r}; expected one of {sorted(BACKENDS)}") from None
-    return cls(store, rank, world, timeout_s, host)
+    return cls(store, rank, world, timeout_s, host, alive)
 
 
 def unavailable(backend: str) -> str | None:

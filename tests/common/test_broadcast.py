@@ -11,7 +11,9 @@ import time
 import pytest
 import torch
 
-from rlbus.weights.broadcast import BroadcastError, Layout, bucket_digest, local_address_towards, unique_tensors
+from rlbus.weights.broadcast import (BroadcastError, Layout, bucket_digest, epoch_store, local_address_towards,
+                                    unique_tensors)
+from rlbus.weights.comm import make_comm
 from tests.conftest import ipv6_loopback
 from tests.helpers import bcast_member
 
@@ -173,6 +175,37 @@ def test_a_member_waiting_in_an_epoch_the_trainer_aborted_leaves_it_without_wait
             if p.is_alive():
                 os.kill(p.pid, signal.SIGKILL)
             p.join(timeout=10)
+    assert (status, rank) == ("failed", 1) and "the trainer aborted it" in message, message
+
+
+def test_a_rendezvous_a_member_never_joins_is_given_up_on_both_sides_without_waiting_out_the_timeout():
+    # A member listed when the epoch opened stopped before it joined (rank 2 here never comes): the trainer gives
+    # up when its check says so, and the member that did join leaves once the epoch is marked aborted.
+    timeout_s = 300.0
+    root = Root(1, 3, weights(0), {1: weights(1)}, timeout_s=timeout_s)
+    out = mp.get_context("spawn").Queue()
+    member = spawn(bcast_member.receive, root.ann, 1, [1], out)
+    asked = []
+
+    def gone() -> None:
+        asked.append(time.monotonic())
+        if len(asked) == 3:
+            raise BroadcastError("rank 2 left")
+
+    try:
+        started = time.monotonic()
+        rendezvous, _ = epoch_store(root.ann["address"], 1, timeout_s)  # as the trainer's publisher does
+        with pytest.raises(BroadcastError, match="rank 2 left"):
+            make_comm("gloo", rendezvous, 0, 3, timeout_s, "127.0.0.1", gone)
+        assert time.monotonic() - started < timeout_s / 10
+        root.kv.set("aborted", b"1")  # as the trainer's publisher does when it gives up on an epoch
+        status, rank, _, message, _, _ = out.get(timeout=timeout_s / 5)
+        member.join(timeout=60)  # and ends at once, leaving its rendezvous to its own timeout
+        assert member.exitcode == 0
+    finally:
+        if member.is_alive():
+            os.kill(member.pid, signal.SIGKILL)
+        member.join(timeout=10)
     assert (status, rank) == ("failed", 1) and "the trainer aborted it" in message, message
 
 
