@@ -145,6 +145,18 @@ def trainer_and_victim(broker_factory, clients, tiny_model: str, tmp_path: Path,
     return b, trainer, pub, victim, marker
 
 
+def publish_first_version(pub, tmp_path: Path, tiny_model: str, marker: Path) -> tuple[threading.Thread, dict]:
+    """Publish version 1 on a thread (its result goes into the returned dict as `state`), once the victim has
+    received its first bucket (`marker`)."""
+    box: dict = {}
+    weights = tiny_weights(tmp_path, tiny_model, 1)
+    publishing = threading.Thread(target=lambda: box.update(state=pub.publish(pub.snapshot(weights), 1, 0)),
+                                  daemon=True)
+    publishing.start()
+    wait_for(marker.exists, 60, "the victim to receive its first bucket")
+    return publishing, box
+
+
 def test_a_member_stopped_mid_broadcast_is_given_up_once_the_broker_drops_it(broker_factory, clients, engine,
                                                                              tiny_model, tmp_path):
     # A stopped member, or one whose host left the network, keeps its connections open, and gloo would wait out
@@ -156,12 +168,7 @@ def test_a_member_stopped_mid_broadcast_is_given_up_once_the_broker_drops_it(bro
     thread = start_explorer(ex)
     try:
         wait_for(lambda: {"victim", "survivor"} <= set(peers(trainer)), 60, "both members to connect")
-        box: dict = {}
-        weights = tiny_weights(tmp_path, tiny_model, 1)
-        publishing = threading.Thread(target=lambda: box.update(state=pub.publish(pub.snapshot(weights), 1, 0)),
-                                      daemon=True)
-        publishing.start()
-        wait_for(marker.exists, 60, "the victim to receive its first bucket")
+        publishing, box = publish_first_version(pub, tmp_path, tiny_model, marker)
         os.killpg(victim.pid, signal.SIGSTOP)
         stopped = time.monotonic()
         publishing.join(timeout_s / 2)
@@ -189,11 +196,7 @@ def test_member_killed_mid_broadcast_does_not_hang_the_trainer(broker_factory, c
     thread = start_explorer(ex)
     try:
         wait_for(lambda: {"victim", "survivor"} <= set(peers(trainer)), 60, "both members to connect")
-        box: dict = {}
-        publishing = threading.Thread(
-            target=lambda: box.update(state=pub.publish(pub.snapshot(tiny_weights(tmp_path, tiny_model, 1)), 1, 0)))
-        publishing.start()
-        wait_for(marker.exists, 60, "the victim to receive its first bucket")
+        publishing, box = publish_first_version(pub, tmp_path, tiny_model, marker)
         os.killpg(victim.pid, signal.SIGKILL)
         killed = time.monotonic()
         reap(victim)
