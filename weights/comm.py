@@ -57,6 +57,24 @@ def _rendezvous(build: Callable[[], Any], alive: Callable[[], None] | None):
     return box["made"]
 
 
+def await_key(store, key: str, timeout_s: float, alive: Callable[[], None] | None = None) -> bytes:
+    """`key`'s value in the epoch's store once it is set, within `timeout_s`; asked for every 10 ms at first and
+    every ALIVE_EVERY_S at most, with `alive` (which raises to give up) asked every ALIVE_EVERY_S meanwhile.
+    (`TCPStore.wait` in slices would do the same, but logs a warning each time a slice runs out.)"""
+    now = time.monotonic()
+    deadline, check, pause = now + timeout_s, now + ALIVE_EVERY_S, 0.01
+    while not store.check([key]):
+        now = time.monotonic()
+        if now >= deadline:
+            raise BroadcastError(f"no {key!r} in the epoch's store within {timeout_s} s")
+        if alive is not None and now >= check:
+            alive()
+            check = now + ALIVE_EVERY_S
+        time.sleep(min(pause, deadline - now))
+        pause = min(2 * pause, ALIVE_EVERY_S)
+    return store.get(key)
+
+
 class GlooComm:
     """torch.distributed's gloo, over TCP, for CPU tensors; its own group, built from the epoch's store."""
 
@@ -127,8 +145,7 @@ class NcclComm:
             uid = nccl.get_unique_id()
             store.set("nccl_uid", msgpack.packb(list(uid) if not isinstance(uid, bytes) else uid))
         else:
-            store.wait(["nccl_uid"], datetime.timedelta(seconds=timeout_s))
-            raw = msgpack.unpackb(store.get("nccl_uid"))
+            raw = msgpack.unpackb(await_key(store, "nccl_uid", timeout_s, alive))
             uid = tuple(raw) if isinstance(raw, list) else raw
         box: dict[str, Any] = {}
 
