@@ -48,6 +48,7 @@ import zmq
 from rlbus.common import protocol as P
 from rlbus.common.messages import Int
 from rlbus.weights.manifests import Gone, Manifests
+from rlbus.weights.replies import Replies
 
 log = structlog.get_logger()
 
@@ -107,6 +108,7 @@ class WeightServer:
         self.sock.linger = 0
         self.sock.maxmsgsize = MAX_FRAME_BYTES
         self.sock.sndhwm = 16  # chunk replies queued per client: a client that stops reading holds 64 MB at most
+        self.out = Replies(self.sock)  # replies the queue refuses wait there (weights/replies.py)
         self.auth = None
         self.public_key = ""
         if curve:  # (this host's secret key file, directory of admitted client keys)
@@ -165,7 +167,7 @@ class WeightServer:
         while not self._stop.is_set():
             now = time.thread_time()
             self._serve_cpu, last = self._serve_cpu + now - last, now
-            if poller.poll(20 if self._waiting or self._awaiting else 200):
+            if poller.poll(5 if self.out.pending else 20 if self._waiting or self._awaiting else 200):
                 for _ in range(64):
                     try:
                         frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -176,6 +178,7 @@ class WeightServer:
                     except Exception:  # a bug or an unreadable file costs one request, never the server
                         log.exception("weights_request_failed")
             try:
+                self.out.flush()  # after the poll: the socket has taken note of what its clients read
                 self._arrived()
                 self._answer_ready()
             except Exception:
@@ -294,18 +297,18 @@ class WeightServer:
             self._error(ident, request.req, "gone", f"v{request.version} is no longer held")
             return
         self.served_bytes += len(data)
-        self.sock.send_multipart([ident, MAGIC, CHUNK, P.pack({"req": request.req, "file": request.file,
-                                                               "index": request.index}), data], copy=False)
+        self.out.send(ident, [MAGIC, CHUNK, P.pack({"req": request.req, "file": request.file, "index": request.index}),
+                              data])
 
     def _send(self, ident: bytes, command: bytes, header: dict[str, Any]) -> None:
         public = dict(header)
         if "files" in public:
             public["files"] = [{k: v for k, v in f.items() if k != "source"} for f in public["files"]]
-        self.sock.send_multipart([ident, MAGIC, command, P.pack(public)])
+        self.out.send(ident, [MAGIC, command, P.pack(public)])
 
     def _error(self, ident: bytes, req: int | None, code: str, message: str) -> None:
         error = {"code": code, "message": message} if req is None else {"req": req, "code": code, "message": message}
-        self.sock.send_multipart([ident, MAGIC, ERROR, P.pack(error)])
+        self.out.send(ident, [MAGIC, ERROR, P.pack(error)])
 
 
 class FileMaps:
