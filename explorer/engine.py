@@ -59,7 +59,7 @@ def inline_core(core: str) -> bool:
 
 
 @dataclass(slots=True)
-class Sample:
+class Completion:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str
@@ -133,7 +133,7 @@ class Engine:
         self._loading = threading.Event()  # a reload is waiting for the lock
         self.sequence_s = 0.0  # the integral over busy time of the sequences being generated
         self._requests: dict[str, int] = {}  # submitted, not yet returned by step: id -> samples
-        self._finished: dict[str, list[Sample]] = {}  # finished while someone else was stepping
+        self._finished: dict[str, list[Completion]] = {}  # finished while someone else was stepping
         self._ids = itertools.count()
         log.info("engine_started", model=model, dtype=dtype, core="inline" if self.inline else "process",
                  threads=threads or None,
@@ -171,7 +171,7 @@ class Engine:
             self.llm.llm_engine.add_request(request_id, {"prompt_token_ids": list(prompt)}, params)
         self._requests[request_id] = n
 
-    def step(self) -> dict[str, list[Sample]]:
+    def step(self) -> dict[str, list[Completion]]:
         """One engine step; returns the requests finished since the last call, by id, samples in order."""
         done, self._finished = self._finished, {}
         running = sum(n for rid, n in self._requests.items() if rid not in done)
@@ -187,20 +187,20 @@ class Engine:
             self.sequence_s += sequences * elapsed
             for out in outputs:
                 if out.finished:
-                    done[out.request_id] = [_sample(c) for c in sorted(out.outputs, key=lambda c: c.index)]
+                    done[out.request_id] = [_completion(c) for c in sorted(out.outputs, key=lambda c: c.index)]
         for rid in done:
             self._requests.pop(rid, None)
         return done
 
     def generate(self, prompts: Sequence[Sequence[int]], n: int, temperature: float = 1.0, top_p: float = 1.0,
-                 max_tokens: int = 64, stop_token_ids: list[int] | None = None) -> list[list[Sample]]:
+                 max_tokens: int = 64, stop_token_ids: list[int] | None = None) -> list[list[Completion]]:
         """`n` samples of each prompt, in order. Requests others have in flight advance too; what they finish
         meanwhile is kept for their next `step`."""
         ids = [f"generate-{next(self._ids)}" for _ in prompts]
         for rid, prompt in zip(ids, prompts):
             self.submit(rid, prompt, n, temperature, top_p, max_tokens, stop_token_ids)
-        mine: dict[str, list[Sample]] = {}
-        others: dict[str, list[Sample]] = {}
+        mine: dict[str, list[Completion]] = {}
+        others: dict[str, list[Completion]] = {}
         while len(mine) < len(ids):
             for rid, samples in self.step().items():
                 (mine if rid in ids else others)[rid] = samples
@@ -269,11 +269,11 @@ class Engine:
         self.close()
 
 
-def _sample(c) -> Sample:
-    """One finished completion as a Sample, with the version of each run of its tokens."""
+def _completion(c) -> Completion:
+    """One finished completion, with the version of each run of its tokens."""
     ids = list(c.token_ids)
     logprobs = [step[tok].logprob for tok, step in zip(ids, c.logprobs or [])]
     if len(logprobs) != len(ids):
         raise RuntimeError(f"vLLM returned {len(logprobs)} logprobs for {len(ids)} tokens")
     spans = [(s.start, int(s.version)) for s in (c.weight_versions or []) if s.end > s.start]
-    return Sample(ids, logprobs, c.finish_reason or "unknown", c.text, spans)
+    return Completion(ids, logprobs, c.finish_reason or "unknown", c.text, spans)

@@ -174,14 +174,14 @@ class StragglerEngine:
         self.most_sequences = max(self.most_sequences, self.sequences)
 
     def step(self) -> dict:
-        from rlbus.explorer.engine import Sample
+        from rlbus.explorer.engine import Completion
 
         done = {}
         for rid, samples in list(self.requests.items()):
             self.requests[rid] = samples = [max(0, left - 1) for left in samples]
             if not any(samples):
                 del self.requests[rid]
-                done[rid] = [Sample([5], [-0.5], "stop", "5", [(0, self.version)]) for _ in samples]
+                done[rid] = [Completion([5], [-0.5], "stop", "5", [(0, self.version)]) for _ in samples]
         return done
 
 
