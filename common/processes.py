@@ -203,6 +203,19 @@ def refreeze_heap() -> None:
     structlog.get_logger().info("heap_frozen", objects=gc.get_freeze_count(), ending=True)
 
 
+def tensor_huge_pages() -> None:
+    """Ask PyTorch's CPU allocator for transparent huge pages for every tensor of 2 MB or more
+    (`THP_MEM_ALLOC_ENABLE`: torch reads it once, at its first allocation, so call this before torch is
+    imported). A training step allocates and frees blocks of up to a hundred MB (the embedding's gradient, the
+    logits and their gradients), which the C library maps afresh each time: every 4 KB page of them faulted
+    in and zeroed on first touch (in a profiled step of the default task on a 2-core host, `fill_` and `copy_`
+    took a quarter of its CPU time); a huge page is one fault for 512 of them. The default job's training
+    compute came out 6.6% lower, bitwise the same (docs/architecture.md, "Huge pages for the trainer's
+    tensors"). Where the kernel grants none (mode `never`), nothing changes.
+    An environment that sets the variable itself (to 0, say) is left as it is."""
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
+
 class Held(RuntimeError):
     """Another running process holds the lock; `pid` is the one it wrote in the lock file."""
 

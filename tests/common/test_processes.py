@@ -199,3 +199,72 @@ def test_a_process_that_loaded_triton_ends_without_its_teardown_report_and_says_
     loud = subprocess.run([sys.executable, "-c", script.replace("quiet_teardown()", "")], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert "nanobind: leaked" in loud.stderr, "triton's report, which the test would otherwise not see missing"
+
+
+def _huge_page_mode() -> str | None:
+    """The kernel's transparent huge page mode (`always`, `madvise`, `never`), None where it has none."""
+    try:
+        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return None
+    return text[text.index("[") + 1:text.index("]")]
+
+
+# A 64 MB tensor, every page touched (ones, not empty), and how much of the process sits in huge pages.
+HUGE_TENSOR = """
+import sys
+from rlbus.common.processes import tensor_huge_pages
+if sys.argv[1] == "asked":
+    tensor_huge_pages()
+import torch
+tensor = torch.ones(64 << 20, dtype=torch.uint8)
+for line in open("/proc/self/smaps_rollup"):
+    if line.startswith("AnonHugePages:"):
+        print(int(line.split()[1]) << 10)
+"""
+
+
+@pytest.mark.skipif(_huge_page_mode() not in ("always", "madvise") or not os.path.exists("/proc/self/smaps_rollup"),
+                    reason="the kernel grants no transparent huge pages here")
+def test_a_process_that_asked_for_huge_pages_keeps_its_large_tensors_in_them():
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+
+    def huge_bytes(how: str) -> int:
+        done = subprocess.run([sys.executable, "-c", HUGE_TENSOR, how], env=env, cwd=REPO, capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return int(done.stdout)
+
+    assert huge_bytes("asked") >= 32 << 20  # most of the tensor's 64 MB (its ends need not be 2 MB aligned)
+    if _huge_page_mode() == "madvise":  # only regions that ask get them: without asking, none
+        assert huge_bytes("not asked") < 4 << 20
+
+
+def test_asking_for_huge_pages_leaves_a_setting_of_the_environment_as_it_is(monkeypatch):
+    from rlbus.common.processes import tensor_huge_pages
+
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")
+    tensor_huge_pages()
+    assert os.environ["THP_MEM_ALLOC_ENABLE"] == "0"
+    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE")
+    tensor_huge_pages()
+    assert os.environ["THP_MEM_ALLOC_ENABLE"] == "1"
+
+
+# `rlbus trainer` with a config it refuses: it stops at the config, after what it does first.
+TRAINER_START = """
+import os, sys
+from rlbus.cli import app
+try:
+    app(["trainer", "--set", "no_such_section.key=1"], standalone_mode=False)
+except Exception as exc:
+    print(type(exc).__name__, os.environ.get("THP_MEM_ALLOC_ENABLE"), "torch" in sys.modules)
+"""
+
+
+def test_the_trainer_asks_for_huge_pages_before_torch_is_loaded():
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    done = subprocess.run([sys.executable, "-c", TRAINER_START], env=env, cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    refused, setting, torch_loaded = done.stdout.split()
+    assert refused == "ConfigError" and setting == "1" and torch_loaded == "False", done.stdout + done.stderr
