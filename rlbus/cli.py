@@ -123,7 +123,6 @@ def trainer(config: ConfigArg = None, set: SetOpt = None, broker: BrokerOpt = No
     With trainer.world_size N it starts N ranks on this host (FSDP2) and watches them; torchrun starts them on several.
     """
     from rlbus.common.processes import tensor_huge_pages
-
     tensor_huge_pages()  # before torch is imported
     cfg = _load(config, _with_broker(set, broker))
     _logging(cfg, "trainer", peer=cfg.trainer.name)
