@@ -201,10 +201,12 @@ def test_a_process_that_loaded_triton_ends_without_its_teardown_report_and_says_
     assert "nanobind: leaked" in loud.stderr, "triton's report, which the test would otherwise not see missing"
 
 
-def _huge_page_mode() -> str | None:
-    """The kernel's transparent huge page mode (`always`, `madvise`, `never`), None where it has none."""
+def _huge_page_mode(setting: str = "enabled") -> str | None:
+    """The kernel's transparent huge page setting (`enabled`: `always`, `madvise`, `never`; `defrag`: whether a
+    fault waits for the kernel to make a huge page free, `always` and `madvise` among others), None where it has
+    none."""
     try:
-        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+        text = open(f"/sys/kernel/mm/transparent_hugepage/{setting}").read()
     except OSError:
         return None
     return text[text.index("[") + 1:text.index("]")]
@@ -224,8 +226,9 @@ for line in open("/proc/self/smaps_rollup"):
 """
 
 
-@pytest.mark.skipif(_huge_page_mode() not in ("always", "madvise") or not os.path.exists("/proc/self/smaps_rollup"),
-                    reason="the kernel grants no transparent huge pages here")
+@pytest.mark.skipif(not {_huge_page_mode(), _huge_page_mode("defrag")} <= {"always", "madvise"}
+                    or not os.path.exists("/proc/self/smaps_rollup"),
+                    reason="the kernel grants no transparent huge pages here, or only those it has free at the fault")
 def test_a_process_that_asked_for_huge_pages_keeps_its_large_tensors_in_them():
     env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
 
