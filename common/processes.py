@@ -14,7 +14,8 @@ interpreter's teardown does not collect a frozen heap, and triton's nanobind
 bindings (torch and vLLM load triton) then report the objects it still holds
 as leaked, thirty lines at every exit of a trainer or an explorer: where
 triton was loaded, what the teardown writes after every exit handler goes to
-/dev/null (`quiet_teardown`).
+/dev/null (`quiet_teardown`). `rlbus trainer` asks for huge pages for its
+large tensors before torch loads (`tensor_huge_pages`).
 """
 
 from __future__ import annotations
