@@ -173,8 +173,9 @@ class Broker:
         peer = self.peers.get(identity)
         log.warning("bad_message", code=exc.code, reason=exc.message, peer=peer.name if peer else None,
                     frames=len(body))
-        # `req` echoed whenever the header can be read (a header over the limit too), so the request is answered
-        req = P.request_id(body[2]) if exc.code != "bad_version" and len(body) >= 3 else None
+        # `req` echoed whenever the header can be read (a header over the limit, or of another protocol version,
+        # too), so the request is answered
+        req = P.request_id(body[2]) if len(body) >= 3 else None
         self.send(identity, P.error(exc.code, exc.message, req))
 
     def send(self, identity: bytes, frames: list[bytes]) -> None:

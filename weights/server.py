@@ -70,18 +70,6 @@ class Request(msgspec.Struct, forbid_unknown_fields=False):
     delta_wait_ms: Int | None = None  # MANIFEST with a base: after this long, the whole version if no delta yet
 
 
-class _Req(msgspec.Struct, forbid_unknown_fields=False):
-    req: Int
-
-
-def readable_req(header: bytes) -> int | None:
-    """The `req` of a header that does not decode as a request, where it can be read: the ERROR then answers it."""
-    try:
-        return msgspec.msgpack.decode(header, type=_Req).req
-    except (msgspec.DecodeError, RecursionError):
-        return None
-
-
 def advertised(bind_host: str, advertise: str, port: int) -> str:
     return P.tcp(advertise or (socket.gethostname() if bind_host in P.EVERY_INTERFACE else bind_host), port)
 
@@ -188,18 +176,20 @@ class WeightServer:
     # ---- requests -------------------------------------------------------------
 
     def _on_request(self, frames: list[bytes], waited: bool = False) -> None:
+        # A refused request's `req` is answered wherever its header can be read (of another tag, or too large)
         if len(frames) != 4 or frames[1] != MAGIC:
-            self._error(frames[0], None, "bad_request", f"expected [{MAGIC.decode()}, command, header]")
+            req = P.request_id(frames[3]) if len(frames) == 4 else None
+            self._error(frames[0], req, "bad_request", f"expected [{MAGIC.decode()}, command, header]")
             return
         ident, _, command, header = frames
         if len(header) > MAX_REQUEST_BYTES:
-            self._error(ident, None, "bad_request", f"a request header of {len(header)} bytes; at most "
+            self._error(ident, P.request_id(header), "bad_request", f"a request header of {len(header)} bytes; at most "
                                                     f"{MAX_REQUEST_BYTES}")
             return
         try:
             request = msgspec.msgpack.decode(header, type=Request)
         except (msgspec.DecodeError, RecursionError) as exc:  # RecursionError: an unnamed field nested too deep
-            self._error(ident, readable_req(header), "bad_request", f"bad header: {exc}")
+            self._error(ident, P.request_id(header), "bad_request", f"bad header: {exc}")
             return
         if command not in (MANIFEST, CHUNK):
             self._error(ident, request.req, "bad_request", f"unknown command {P.brief(command)}")

@@ -56,12 +56,14 @@ def test_bad_frame_gets_error_and_broker_goes_on(broker_factory, raw_dealer, cli
 
 def test_a_refused_header_has_its_req_echoed_whenever_it_can_be_read(broker, raw_dealer):
     """An ERROR carries the request's `req` wherever the header can be read: a header over the 1 MiB limit
-    and one nested too deep are refused unbuilt, yet their `req` (a top-level key) is found and echoed."""
+    and one nested too deep are refused unbuilt, yet their `req` (a top-level key) is found and echoed; so is
+    that of a request under another protocol tag."""
     sock = raw_dealer(broker.address)
     hello(sock)
-    for req, header, code in ((21, {"pad": "x" * (P.MAX_HEADER_BYTES + 1), "req": 21}, "too_large"),
-                              (22, {"deep": nested(P.MAX_DEPTH + 4), "req": 22}, "malformed")):
-        sock.send_multipart([P.PROTOCOL, b"STATUS", P.pack(header)])
+    for req, header, code, tag in ((21, {"pad": "x" * (P.MAX_HEADER_BYTES + 1), "req": 21}, "too_large", P.PROTOCOL),
+                                   (22, {"deep": nested(P.MAX_DEPTH + 4), "req": 22}, "malformed", P.PROTOCOL),
+                                   (23, {"req": 23}, "bad_version", b"rlbus/2")):
+        sock.send_multipart([tag, b"STATUS", P.pack(header)])
         reply = recv(sock)
         assert (reply.command, reply.header["code"], reply.header.get("req")) == (P.ERROR, code, req), reply.header
 

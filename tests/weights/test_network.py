@@ -372,10 +372,12 @@ def test_requests_name_versions_and_files_never_paths_and_bad_input_gets_an_erro
         ([MAGIC, MANIFEST, P.pack({"req": 11, "version": 2, "base": 1, "delta_wait_ms": "soon"})], "bad_request", 11),
         ([MAGIC, b"DELETE", P.pack({"req": 6, "version": 1})], "bad_request", 6),
         ([MAGIC, MANIFEST, b"\xc1not msgpack"], "bad_request", None),
-        # A field the request does not name, nested past what the decoder follows.
-        ([MAGIC, MANIFEST, b"\x83\xa3req\x0c\xa7version\x01\xa1x" + b"\x91" * 30_000 + b"\x01"], "bad_request", None),
+        # A field the request does not name, nested past what the decoder follows: `req`, before it, is read.
+        ([MAGIC, MANIFEST, b"\x83\xa3req\x0c\xa7version\x01\xa1x" + b"\x91" * 30_000 + b"\x01"], "bad_request", 12),
         ([b"http/1.1", b"GET /"], "bad_request", None),
-        ([MAGIC, MANIFEST, P.pack({"req": 12, "version": 1, "pad": "x" * MAX_REQUEST_BYTES})], "bad_request", None),
+        ([b"rlbus-weights/2", MANIFEST, P.pack({"req": 19, "version": 1})], "bad_request", 19),
+        ([MAGIC, MANIFEST, P.pack({"req": 12, "version": 1, "pad": "x" * MAX_REQUEST_BYTES})], "bad_request", 12),
+        ([MAGIC, MANIFEST, P.pack({"pad": "x" * MAX_REQUEST_BYTES, "req": 20, "version": 1})], "bad_request", 20),
         ([MAGIC, MANIFEST, P.pack({"req": 13, "version": True})], "bad_request", 13),
         ([MAGIC, MANIFEST, P.pack({"req": 14, "version": 1 << 53})], "bad_request", 14),
         ([MAGIC, CHUNK, P.pack({"req": 15, "version": 1, "file": "config.json", "index": -1})], "bad_request", 15),
