@@ -28,7 +28,7 @@ from rlbus.trainer import checkpoint, distributed
 from rlbus.trainer.algorithms import LossConfig, lr_factor, policy_loss
 from rlbus.trainer.batch import Batch, build_batch, decode_batch
 from rlbus.trainer.distributed import Policy, World
-from rlbus.trainer.model import autocast_dtype, load_model, seed_everything, token_logprobs
+from rlbus.trainer.model import autocast_dtype, frozen_in, load_model, seed_everything, token_logprobs
 from rlbus.trainer.packing import packed_token_logprobs, pack, packs
 
 log = structlog.get_logger()
@@ -84,6 +84,8 @@ class Learner:
             # SDPA's fused CUDA kernels (memory-efficient, flash) sum gradients in no fixed order, and torch only
             # warns about it under warn_only: plain attention keeps a replay's weights equal bit for bit.
             self.model.set_attn_implementation("eager")
+        if self.reference is not None and world is None:
+            frozen_in(self.reference, self.autocast)  # its linear weights cast once, not at every step
         # Every forward goes through a Policy: the root FSDP2 unit when sharded, a plain call otherwise.
         self.policy = distributed.shard(self.model, world) if world else Policy(self.model)
         self.reference_policy = None

@@ -43,6 +43,21 @@ def load_model(path: str, cfg: RunConfig, trainable: bool = True, device: str | 
     return model
 
 
+def frozen_in(model, dtype: torch.dtype | None) -> None:
+    """Keep a frozen model's linear weights in `dtype`, the one autocast computes them in: autocast would cast
+    each of them at every forward (it caches only the casts of weights that take gradients), and a cast done
+    once gives the same values. Everything else keeps its dtype (norms, the embedding a tied LM head shares:
+    the head gets a copy of its own; a model's own linear-like modules, such as a router that computes in
+    float32), so a model whose `nn.Linear`s all run under autocast, as HF decoders', computes bit for bit as
+    before."""
+    if dtype is None:
+        return
+    for module in model.modules():
+        if type(module) is torch.nn.Linear:
+            for name, param in list(module.named_parameters(recurse=False)):
+                setattr(module, name, torch.nn.Parameter(param.detach().to(dtype), requires_grad=False))
+
+
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0,
                    with_entropy: bool = False, positions: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:

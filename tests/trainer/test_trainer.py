@@ -464,3 +464,33 @@ def test_several_updates_per_batch_are_ppos_loop_written_out(tiny_model, tmp_pat
     worst = max(float((trained[k] - by_hand[k]).abs().max()) for k in by_hand)
     assert worst < 2e-5, worst
     assert metrics["clip_fraction"] > 0
+
+
+def test_a_reference_cast_once_trains_bit_for_bit_as_one_autocast_casts_every_step(tiny_model, tmp_path, monkeypatch):
+    """Under bfloat16 autocast the frozen reference keeps its linear weights in bfloat16 (`frozen_in`), its
+    norms and embedding in float32, and its tied LM head as a copy of its own; two steps with a KL term then give
+    the same metrics and weights, bit for bit, as a reference whose weights autocast casts at every forward."""
+    import rlbus.trainer.learner as learner
+    from tests.trainer.test_packing import example
+    from rlbus.trainer.main import Trainer
+
+    cfg = load_config(None, [f"run.dir={tmp_path}/run", "trainer.lr=1e-3", "trainer.micro_batch=12",
+                             "trainer.autocast=bfloat16", "algorithm.kl_coef=0.5", "rollout.dtype=float32"], environ={})
+    runs = {}
+    for cast_once in (True, False):
+        if not cast_once:
+            monkeypatch.setattr(learner, "frozen_in", lambda model, dtype: None)
+        with closing(Trainer(cfg, tiny_model)) as trainer:
+            ref = trainer.reference
+            dtypes = {name: p.dtype for name, p in ref.named_parameters(remove_duplicate=False)}
+            metrics = [trainer.train_on(example(seed=s)) for s in (5, 6)]
+            runs[cast_once] = metrics, [p.detach().clone() for p in trainer.model.parameters()], dtypes
+    (once, weights_once, dtypes), (every, weights_every, before) = runs[True], runs[False]
+    assert set(before.values()) == {torch.float32}
+    linear = {name for name, module in ref.named_modules() if isinstance(module, torch.nn.Linear)}
+    assert "lm_head" in linear and ref.config.tie_word_embeddings
+    for name, dtype in dtypes.items():
+        assert dtype == (torch.bfloat16 if name.rpartition(".")[0] in linear else torch.float32), name
+    assert every[1]["kl"] > 0
+    assert once == every
+    assert all(torch.equal(a, b) for a, b in zip(weights_once, weights_every))
