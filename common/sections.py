@@ -1,6 +1,5 @@
-"""The sections of a run's configuration, one per process or concern (`config.py` assembles and loads them).
-
-Every field has a docstring (shown by `rlbus config` tools and in errors) and a default that works on one machine."""
+"""The sections of a run's configuration, one per process or concern (`config.py` assembles and loads them). Every
+field has a docstring (shown by `rlbus config` tools and in errors) and a default that works on one machine."""
 
 from __future__ import annotations
 
@@ -167,9 +166,8 @@ class SyncConfig(Section):
     serve_authorized_dir: str = ""
     """With CurveZMQ on: the client public keys the weight server admits (default: broker.curve_authorized_dir)."""
     serve_deltas: bool = True
-    """Send an explorer that holds a recent version only what changed (zstd XOR); off: always whole versions.
-    A delta costs CPU (about 0.6 s per version of a 135M model, built once whoever asks): see
-    serve_delta_priority."""
+    """Send an explorer that holds a recent version only what changed (zstd XOR); off: always whole versions. A delta
+    costs CPU (about 0.6 s per version of a 135M model, built once whoever asks): see serve_delta_priority."""
     serve_delta_priority: Literal["idle", "normal"] = "idle"
     """idle: deltas are built in a child process on CPU that training leaves (Linux SCHED_IDLE), so they do not
     slow a step; an explorer whose delta is not ready within the time its last whole version took (at once when the
@@ -192,11 +190,9 @@ class SyncConfig(Section):
             default = floor if self.sync_style == "lockstep" else floor + 2
             object.__setattr__(self, "max_staleness", default)
         elif self.sync_style == "lockstep" and self.max_staleness < floor:
-            raise ValueError(
-                f"max_staleness={self.max_staleness} is too small for lockstep with sync_interval="
-                f"{self.sync_interval} and sync_offset={self.sync_offset}: the oldest data is "
-                f"sync_offset + sync_interval - 1 = {floor} versions behind; set max_staleness >= {floor}"
-            )
+            raise ValueError(f"max_staleness={self.max_staleness} is too small for lockstep with sync_interval="
+                             f"{self.sync_interval} and sync_offset={self.sync_offset}: the oldest data is sync_offset"
+                             f" + sync_interval - 1 = {floor} versions behind; set max_staleness >= {floor}")
         return self
 
     def required_version(self, batch_index: int) -> int:
@@ -332,6 +328,9 @@ class TrainerConfig(Section):
     """Learning rate (AdamW)."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW weight decay."""
+    fused_optimizer: bool = False
+    """AdamW's fused kernel, not torch's default: a default-task step on 2 CPU cores about 0.4 s sooner, equal to
+    float rounding only, so a run takes another path (docs/architecture.md, Trainer)."""
     warmup_steps: int = Field(0, ge=0)
     """Linear learning-rate warm-up over this many steps: step k (from 0) trains at lr x (k + 1) / warmup_steps, so
     no step is spent at lr 0 (Hugging Face's schedulers start there, one step behind)."""

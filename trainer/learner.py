@@ -91,7 +91,8 @@ class Learner:
         self.reference_policy = None
         if self.reference is not None:
             self.reference_policy = distributed.shard(self.reference, world) if world else Policy(self.reference)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, weight_decay=t.weight_decay,
+                                           **self._adamw_kernel())
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, partial(lr_factor, t))
         self.loss_cfg = LossConfig(a.clip_low, a.clip_high, a.dual_clip, a.is_mode, a.is_cap, a.is_low, a.is_high,
                                    a.kl_coef, a.kl_kind, a.kl_clamp, a.aggregation, cfg.rollout.max_tokens,
@@ -101,11 +102,16 @@ class Learner:
         self.version = 0
         self.temperature = cfg.rollout.temperature or 1.0
 
+    def _adamw_kernel(self) -> dict[str, bool | None]:
+        return {"fused": bool(self.cfg.trainer.fused_optimizer) or None, "foreach": None}  # None: torch's default
+
     def resume(self) -> None:
         path = checkpoint.latest(self.ckpt_dir)
         if path is None:
             return
         step, version = checkpoint.load(path, self.model, self.optimizer, self.scheduler, sharded=self.world is not None)
+        for group in self.optimizer.param_groups:  # the checkpoint's groups name the kernel they ran: this config's
+            group.update(self._adamw_kernel())
         self.step, self.version = step + 1, version
         if self.main:
             log.info("trainer_resumed", checkpoint=str(path), step=self.step, policy_version=version)

@@ -494,3 +494,37 @@ def test_a_reference_cast_once_trains_bit_for_bit_as_one_autocast_casts_every_st
     assert every[1]["kl"] > 0
     assert once == every
     assert all(torch.equal(a, b) for a, b in zip(weights_once, weights_every))
+
+
+def test_adamw_steps_fused_when_told_and_a_resumed_trainer_takes_its_own_configs_kernel(tiny_model, tmp_path):
+    """`trainer.fused_optimizer` steps AdamW with its fused kernel, false (the default) with torch's default one:
+    a step of each moves the weights by lr and leaves them equal to float rounding. A checkpoint's param groups
+    name the kernel it was trained with; a trainer resumed from it steps with its own config's."""
+    from tests.trainer.test_packing import example
+    from rlbus.trainer.main import Trainer
+
+    def config(run: str, fused: bool):
+        return load_config(None, [f"run.dir={tmp_path}/{run}", "trainer.lr=1e-3", "trainer.micro_batch=12",
+                                  "rollout.dtype=float32", f"trainer.fused_optimizer={str(fused).lower()}"], environ={})
+
+    kernels, weights = {}, {}
+    for fused in (True, False):
+        with closing(Trainer(config(f"fused-{fused}", fused), tiny_model)) as trainer:
+            before = [p.detach().clone() for p in trainer.model.parameters()]
+            trainer.train_on(example(seed=5))
+            group = trainer.optimizer.param_groups[0]
+            kernels[fused] = group["fused"], group["foreach"]
+            weights[fused] = [p.detach().clone() for p in trainer.model.parameters()]
+            trainer.save()
+    assert kernels == {True: (True, None), False: (None, None)}
+    assert load_config(None, [], environ={}).trainer.fused_optimizer is False
+    moved = max(float((a - b).abs().max()) for a, b in zip(weights[True], before))
+    worst = max(float((a - b).abs().max()) for a, b in zip(weights[True], weights[False]))
+    assert moved > 5e-4 and worst < 1e-6, (moved, worst)
+    for saved, fused in ((True, False), (False, True)):
+        with closing(Trainer(config(f"fused-{saved}", fused), tiny_model)) as trainer:
+            trainer.resume()
+            group = trainer.optimizer.param_groups[0]
+            assert trainer.step == 1 and (group["fused"], group["foreach"]) == kernels[fused]
+            trainer.train_on(example(seed=6))  # the state the other kernel left steps on
+            assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
