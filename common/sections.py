@@ -329,7 +329,7 @@ class TrainerConfig(Section):
     weight_decay: float = Field(0.0, ge=0)
     """AdamW weight decay."""
     fused_optimizer: bool = False
-    """AdamW's fused kernel, not torch's default: a default-task step on 2 CPU cores about 0.4 s sooner, equal to
+    """AdamW's fused kernel, not torch's default: a default-task step on 2 CPU cores about 0.3 s sooner, equal to
     float rounding only, so a run takes another path (docs/architecture.md, Trainer)."""
     warmup_steps: int = Field(0, ge=0)
     """Linear learning-rate warm-up over this many steps: step k (from 0) trains at lr x (k + 1) / warmup_steps, so

@@ -37,12 +37,14 @@ BENCHMARKS = {
     "streaming": ["--model", "{tiny}"],
     "learning": ["--model", "{tiny}"],
     "cores": ["--model", "{tiny}"],
+    "trainer_ab": ["--model", "{tiny}", "--b", "trainer.fused_optimizer=true"],
 }
 SCRIPTS = {"weight_sync_link": "weight_sync"}  # a second smoke of one script (the rest: the script of that name)
 # Figures a smoke run must give (not null), so that a central figure cannot go missing unseen.
 FIGURES = {"weight_sync": ("network_ratio", "delta_bytes_share"),
            "weight_sync_link": ("network_ratio", "delta_bytes_share"), "trainer": ("tokens_per_s", "serving"),
            "cores": ("rival_ratio", "rival_ratio_fewer", "fewer_ratio"),
+           "trainer_ab": ("a_median_s", "b_median_s", "paired_median_diff_s"),
            "broker_throughput": ("ratio_to_per_message", "small_disk_bound_ratio_to_per_message",
                                  "large_ingest_ratio_to_disk", "large_store_alone_ratio_to_disk",
                                  "large_ingest_cpu_bound_ratio_to_disk",
@@ -242,7 +244,8 @@ def test_a_count_argument_is_checked_as_it_is_read():
 
 @pytest.mark.parametrize("name, argument", [("broker_throughput", ["--per-put", "60"]),
                                             ("broker_throughput", ["--producers", "0"]),
-                                            ("reward", ["--batch", "0"]), ("trainer", ["--steps", "-1"])])
+                                            ("reward", ["--batch", "0"]), ("trainer", ["--steps", "-1"]),
+                                            ("trainer_ab", ["--steps", "1"])])
 def test_a_benchmark_refuses_a_bad_count_at_once_with_a_usage_error(name, argument):
     """`broker_throughput.py --per-put 60` made PUTs of 7 groups (56 trajectories) while its consumer waited for
     60 per PUT: it never ended."""
