@@ -41,20 +41,21 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks.harness import REPO, at_least  # noqa: E402
+from benchmarks.trainer import GROUPS, QUESTION_TOKENS, SYSTEM_TOKENS  # noqa: E402
 from rlbus.common.config import load_config  # noqa: E402
 from rlbus.trainer.batch import Sample, build_batch  # noqa: E402
 from rlbus.trainer.learner import Learner  # noqa: E402
 from rlbus.weights.models import resolve_model  # noqa: E402
 
-SYSTEM = np.random.default_rng(0).integers(100, 40000, 30)
+SYSTEM = np.random.default_rng(0).integers(100, 40000, SYSTEM_TOKENS)
 
 
-def batch(step: int, vocab: int, groups: int = 4, repeat: int = 8):
+def batch(step: int, vocab: int, groups: int = GROUPS, repeat: int = 8):
     """The batch of `step`: the same for both trainers, and in every run."""
     rng = np.random.default_rng(step)
     samples = []
     for g in range(groups):
-        question = rng.integers(100, vocab, 14)
+        question = rng.integers(100, vocab, QUESTION_TOKENS)
         for i in range(repeat):
             n = int(rng.integers(8, 25))
             samples.append(Sample(f"{step}.{g}.{i}", g, float(rng.integers(0, 2)), 0, 0,
@@ -76,12 +77,12 @@ def main() -> None:
     if args.smoke:
         args.steps = 2
     with tempfile.TemporaryDirectory(prefix="rlbus-ab-") as tmp:
-        learners, cfgs = {}, {}
+        learners = {}
         for name, sets in (("a", args.a), ("b", args.b)):
             model = [f"model.path={args.model}"] if args.model else []
-            cfgs[name] = load_config(args.config, [f"run.dir={tmp}/{name}", *model, *sets])
+            cfg = load_config(args.config, [f"run.dir={tmp}/{name}", *model, *sets])
             torch.manual_seed(0)
-            learners[name] = Learner(cfgs[name], resolve_model(cfgs[name].model.path))
+            learners[name] = Learner(cfg, resolve_model(cfg.model.path))
         vocab = min(learners["a"].vocab, 40000)
         times: dict[str, list[float]] = {"a": [], "b": []}
         metrics: dict[str, list[dict]] = {"a": [], "b": []}

@@ -183,8 +183,8 @@ class WeightServer:
             return
         ident, _, command, header = frames
         if len(header) > MAX_REQUEST_BYTES:
-            self._error(ident, P.request_id(header), "bad_request", f"a request header of {len(header)} bytes; at most "
-                                                    f"{MAX_REQUEST_BYTES}")
+            self._error(ident, P.request_id(header), "bad_request",
+                        f"a request header of {len(header)} bytes; at most {MAX_REQUEST_BYTES}")
             return
         try:
             request = msgspec.msgpack.decode(header, type=Request)
