@@ -50,6 +50,13 @@ def test_off_stays_a_string_and_a_mapping_needs_braces():
     (["buffer.capacity=31", "rollout.repeat=8"], "buffer.capacity=31 cannot hold one batch (data.batch_tasks=4 x "
                                                   "rollout.repeat=8 = 32 trajectories): explorers would wait for room "
                                                   "that never comes; set buffer.capacity >= 32"),
+    (["rollout.repeat=1"], "algorithm.advantage=grpo compares the samples of a task with each other, and "
+                           "rollout.repeat=1 gives each task one: every advantage would be 0"),
+    (["rollout.repeat=1", "algorithm.advantage=rloo"], "set rollout.repeat >= 2 (8 by default), or "
+                                                       "algorithm.advantage=reinforce_pp"),
+    (["algorithm.is_mode=mask", "algorithm.is_low=1.2"], "[is_low, is_high] = [1.2, 2.0], which leaves out 1"),
+    (["algorithm.is_mode=mask", "algorithm.is_high=0.9"], "on-policy samples would all be masked; set is_low <= 1 <= "
+                                                          "is_high"),
     (["data.revisit=1"], "data.revisit = 1"),
     (["data.revisit=-0.1"], "data.revisit = -0.1"),
     (["data.revisit_times=0"], "data.revisit_times = 0"),
@@ -76,6 +83,16 @@ def test_bad_values_name_field_value_and_remedy(sets, needle):
     with pytest.raises(ConfigError) as err:
         load_config(None, sets, environ={})
     assert needle in str(err.value)
+
+
+def test_one_sample_a_task_is_enough_where_no_group_is_compared():
+    assert load_config(None, ["rollout.repeat=1", "algorithm.advantage=reinforce_pp"], environ={}).rollout.repeat == 1
+
+
+def test_importance_bounds_are_checked_only_where_they_mask():
+    assert load_config(None, ["algorithm.is_low=1.2"], environ={}).algorithm.is_low == 1.2  # truncate: unused
+    assert load_config(None, ["algorithm.is_mode=mask", "algorithm.is_low=1", "algorithm.is_high=1"],
+                       environ={}).algorithm.is_mode == "mask"
 
 
 @pytest.mark.parametrize("sets, address, bus", [
