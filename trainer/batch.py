@@ -1,9 +1,11 @@
 """From a BATCH reply to padded training tensors.
 
-Each trajectory is decoded and checked before it can reach the model: NaN or
-infinite logprobs, logprobs above zero, token ids outside the vocabulary,
-empty responses and arrays of mismatched lengths are rejected with a logged
-reason (the rest of the batch trains). Advantages are computed per group over
+Each trajectory is decoded and checked before it can reach the model: arrays
+that are missing, not one-dimensional or of the wrong kind (token ids that are
+not integers, logprobs that are not floats), NaN or infinite logprobs,
+logprobs above zero, a loss mask with values other than 0 and 1, token ids
+outside the vocabulary, empty responses and arrays of mismatched lengths are
+rejected with a logged reason (the rest of the batch trains). Advantages are computed per group over
 the samples that passed; groups whose rewards are all equal are dropped when
 the estimator is group-relative.
 """
@@ -75,12 +77,23 @@ class Batch:
         return int(self.loss_mask.sum())
 
 
+ARRAYS = ("response_ids", "logprobs", "loss_mask", "prompt_ids")
+
+
 def check(body: dict[str, Any], vocab_size: int) -> str | None:
     """Why a decoded trajectory cannot be trained on, or None."""
     try:
-        resp, logp, mask, prompt = (body["response_ids"], body["logprobs"], body["loss_mask"], body["prompt_ids"])
+        resp, logp, mask, prompt = (body[name] for name in ARRAYS)
     except KeyError as exc:
         return f"missing field {exc}"
+    for name, value in zip(ARRAYS, (resp, logp, mask, prompt)):
+        if not isinstance(value, np.ndarray) or value.ndim != 1:
+            return f"{name} is not a one-dimensional array"
+    for name, ids in (("prompt_ids", prompt), ("response_ids", resp)):
+        if ids.dtype.kind not in "iu":
+            return f"{name} are {ids.dtype.name}, not integers"
+    if logp.dtype.kind != "f":
+        return f"logprobs are {logp.dtype.name}, not floats"
     if len(resp) == 0:
         return "empty response"
     if not (len(resp) == len(logp) == len(mask)):
@@ -91,8 +104,9 @@ def check(body: dict[str, Any], vocab_size: int) -> str | None:
         return "non-finite logprobs"
     if np.any(logp > 1e-4):
         return "logprobs above zero"
-    ids = np.concatenate([prompt, resp])
-    if ids.min() < 0 or ids.max() >= vocab_size:
+    if not np.all((mask == 0) | (mask == 1)):
+        return "loss_mask holds values other than 0 and 1"
+    if min(prompt.min(), resp.min()) < 0 or max(prompt.max(), resp.max()) >= vocab_size:
         return f"token ids outside the vocabulary [0, {vocab_size})"
     return None
 
@@ -113,7 +127,10 @@ def decode_batch(reply: P.Message, vocab_size: int, temperature: float | None = 
         except Exception as exc:  # a payload that does not decode is one bad trajectory, not a dead trainer
             reason = f"payload does not decode: {exc}"
         else:
-            reason = check(body, vocab_size)
+            try:
+                reason = check(body, vocab_size)
+            except Exception as exc:  # a payload that no check foresaw: still one bad trajectory, not a dead trainer
+                reason = f"payload not usable: {exc}"
         sampling = body.get("sampling") if reason is None else None
         sampled = sampling.get("temperature") if isinstance(sampling, dict) else None
         if temperature is not None and isinstance(sampled, (int, float)) and abs(sampled - temperature) > 1e-6:

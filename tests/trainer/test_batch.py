@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
+import torch
 
 from rlbus.common import protocol as P
 from rlbus.common.trajectory import encode_payload
@@ -40,6 +42,63 @@ def test_metadata_that_breaks_the_trajectory_type_is_left_out_not_fatal():
     reply = P.Message(P.BATCH, {"groups": [{"group_id": "g", "batch_index": 0, "trajectories": metas}]}, [frame])
     samples, rejected = decode_batch(reply, vocab_size=10)
     assert [s.id for s in samples] == ["a"] and "reward" in next(iter(rejected))
+
+
+def batch_of(*payloads: bytes) -> P.Message:
+    metas = [trajectory(f"t{i}", None)[0] for i in range(len(payloads))]
+    frame = P.join_payloads(metas, list(payloads))
+    return P.Message(P.BATCH, {"groups": [{"group_id": "g", "batch_index": 0, "trajectories": metas}]}, [frame])
+
+
+@pytest.mark.parametrize("change,reason", [
+    ({"prompt_ids": np.ones((2, 2), np.int32)}, "prompt_ids is not a one-dimensional array"),
+    ({"response_ids": 7}, "response_ids is not a one-dimensional array"),
+    ({"logprobs": [-1.0, -0.5]}, "logprobs is not a one-dimensional array"),
+    ({"prompt_ids": np.array([1.5, 2.0])}, "prompt_ids are float64, not integers"),
+    ({"response_ids": np.array([True, False])}, "response_ids are bool, not integers"),
+    ({"logprobs": np.array([-1, 0], np.int32)}, "logprobs are int32, not floats"),
+    ({"loss_mask": np.array([1, 7], np.uint8)}, "loss_mask holds values other than 0 and 1"),
+    ({"loss_mask": np.array([0.5, 1.0], np.float32)}, "loss_mask holds values other than 0 and 1"),
+    ({"loss_mask": None}, "loss_mask is not a one-dimensional array"),
+])
+def test_a_payload_of_the_wrong_shape_or_kind_is_left_out_with_its_reason(change, reason):
+    """Whatever an explorer's payload holds, the trainer leaves that trajectory out and trains on the rest: it
+    never raises, and never weighs a token by a mask value other than 0 or 1."""
+    arrays = {"prompt_ids": np.array([1, 2], np.int32), "response_ids": np.array([3, 4], np.int32),
+              "logprobs": np.array([-1.0, -0.5], np.float32), "loss_mask": np.ones(2, np.uint8)}
+    good = encode_payload(arrays)
+    bad_arrays = {k: v for k, v in {**arrays, **change}.items() if isinstance(v, np.ndarray)}
+    bad = encode_payload(bad_arrays, {k: v for k, v in change.items() if not isinstance(v, np.ndarray)})
+    samples, rejected = decode_batch(batch_of(good, bad, good), vocab_size=10)
+    assert [s.id for s in samples] == ["t0", "t2"]
+    assert rejected == {reason: 1}
+
+
+def test_a_mask_of_booleans_or_of_float_zeros_and_ones_trains_as_one_of_integers():
+    base = {"prompt_ids": np.array([1, 2], np.int32), "response_ids": np.array([3, 4], np.int32),
+            "logprobs": np.array([-1.0, -0.5], np.float32)}
+    payloads = [encode_payload({**base, "loss_mask": mask}) for mask in
+                (np.array([1, 0], np.uint8), np.array([True, False]), np.array([1.0, 0.0], np.float32))]
+    samples, rejected = decode_batch(batch_of(*payloads), vocab_size=10)
+    assert not rejected
+    masks = build_batch(samples, rejected, "grpo", False, 0).loss_mask
+    assert torch.equal(masks[0], masks[1]) and torch.equal(masks[0], masks[2]) and masks[0].sum() == 1
+
+
+def test_a_check_that_fails_on_a_payload_leaves_out_that_trajectory_only(monkeypatch):
+    import rlbus.trainer.batch as batch
+
+    real = batch.check
+
+    def failing(body, vocab_size):
+        if body.get("boom"):
+            raise RuntimeError("unforeseen")
+        return real(body, vocab_size)
+
+    monkeypatch.setattr(batch, "check", failing)
+    good, bad = trajectory("a", None)[1], encode_payload({}, {"boom": True})
+    samples, rejected = decode_batch(batch_of(good, bad), vocab_size=10)
+    assert [s.id for s in samples] == ["t0"] and rejected == {"payload not usable: unforeseen": 1}
 
 
 def test_reinforce_pp_weighs_each_sample_by_the_response_tokens_its_loss_mask_keeps():
