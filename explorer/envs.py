@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 _INT = re.compile(r"-?\d+")
+_DIGITS = 100  # a longer run of digits is no guess of a number in range (and past 4,300, int() refuses it)
 
 
 @dataclass
@@ -30,7 +31,7 @@ class GuessNumber:
     def step(self, reply: str) -> tuple[str, bool]:
         self.turns += 1
         numbers = _INT.findall(reply)
-        if not numbers:
+        if not numbers or len(numbers[-1]) > _DIGITS:
             message = f"Please answer with a single number between {self.low} and {self.high}."
         else:
             guess = int(numbers[-1])

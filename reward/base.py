@@ -10,8 +10,9 @@ A reward is a callable `score(task, response) -> RewardResult | float`:
 
 Rewards are found by registered name (`arith`, ...) or by dotted path
 (`mypkg.rewards:score`). `evaluate` wraps every call: an exception or a score
-that is NaN or infinite is logged with its reason and scored
-`failure_score` (default 0): never a crash, never a silent drop.
+that is not a finite number (NaN, infinite, or no number at all) is logged
+with its reason and scored `failure_score` (default 0): never a crash, never
+a silent drop.
 """
 
 from __future__ import annotations
@@ -91,13 +92,25 @@ def evaluate(fn: RewardFn, task: Mapping[str, Any], response: Response, failure_
         log.warning("reward_failed", reward=name, task_id=task.get("task_id"), error=repr(exc)[:300])
         return RewardResult(failure_score, {"error": repr(exc)[:300]}, "reward raised an exception")
     if not isinstance(result, RewardResult):
-        result = RewardResult(float(result))
+        result = RewardResult(result)
     details = plain(result.details) if isinstance(result.details, Mapping) else {"details": plain(result.details)}
-    if not isinstance(result.score, (int, float)) or not math.isfinite(result.score):
-        log.warning("reward_not_finite", reward=name, task_id=task.get("task_id"), score=repr(result.score))
-        return RewardResult(failure_score, {**details, "raw_score": repr(result.score)},
+    score = as_number(result.score)
+    if score is None or not math.isfinite(score):
+        log.warning("reward_not_finite", reward=name, task_id=task.get("task_id"), score=repr(result.score)[:300])
+        return RewardResult(failure_score, {**details, "raw_score": repr(result.score)[:300]},
                             "reward was not a finite number")
-    return RewardResult(float(result.score), details, str(result.reason or ""))
+    return RewardResult(score, details, str(result.reason or ""))
+
+
+def as_number(value: Any) -> float | None:
+    """A score as a float (a Python or numpy number, a one-element tensor), or None when it is none: a string
+    is none either, though float() would read one."""
+    if isinstance(value, (str, bytes)):
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError, RuntimeError):  # RuntimeError: torch's, for a tensor of several elements
+        return None
 
 
 MAX_DETAILS_DEPTH = 8

@@ -43,7 +43,7 @@ class RewardWorker:
             else:
                 fn = resolve(service)
                 self.handlers[service] = lambda items, fn=fn, s=service: [
-                    _plain(evaluate(fn, it["task"], Response(it.get("text", ""), it.get("token_ids", ())),
+                    _plain(evaluate(fn, it.get("task", {}), Response(it["text"], it.get("token_ids", ())),
                                     cfg.reward.failure_score, s)) for it in items]
         self._stop = False
         self.served, self.jobs, self.scoring_s = 0, 0, 0.0  # responses scored, EVAL jobs, seconds scoring
@@ -63,7 +63,7 @@ class RewardWorker:
         failure = self.cfg.reward.failure_score
 
         def score(items: list[dict]) -> list[dict]:
-            scores = model.score([it["task"].get("prompt", "") for it in items], [it.get("text", "") for it in items])
+            scores = model.score([it.get("task", {}).get("prompt", "") for it in items], [it["text"] for it in items])
             return [{"score": s, "details": {}, "reason": ""} if math.isfinite(s) else
                     {"score": failure, "details": {"raw_score": repr(s)}, "reason": "reward was not a finite number"}
                     for s in scores]
@@ -104,7 +104,13 @@ class RewardWorker:
                                 "reason": f"this worker does not offer {msg.header.get('service')!r}"}] * len(items)
                 else:
                     started = time.monotonic()
-                    results = handler(items)
+                    try:
+                        results = handler(items)
+                    except Exception as exc:  # one job the service could not score: the worker serves the next
+                        log.warning("eval_failed_here", service=msg.header.get("service"), job=msg.header.get("job"),
+                                    error=repr(exc)[:300])
+                        results = [{"score": self.cfg.reward.failure_score, "details": {"error": repr(exc)[:300]},
+                                    "reason": "the reward service failed on this job"}] * len(items)
                     self.scoring_s += time.monotonic() - started
                 self.served += len(items)  # counted before the answer goes: whoever has it sees the count
                 self.jobs += 1

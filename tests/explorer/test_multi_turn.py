@@ -59,3 +59,15 @@ def test_guess_the_number_mask_covers_exactly_the_models_tokens(engine):
             assert "<|im_start|>user" in env_text and env_text.rstrip().endswith("assistant")
         assert meta["n_tokens"] == len(ids)
     assert saw_env_turn, "a random tiny model should miss at least once in 6 episodes"
+
+
+def test_guess_the_number_answers_any_reply_and_ends_after_its_turns():
+    """Any text the model writes gets an answer, a run of 5,000 digits too (past what int() reads)."""
+    task = {"env": "guess", "answer": "7", "low": 1, "high": 10, "max_turns": 4, "task_id": "t"}
+    env, again = make_env(task), "Please answer with a single number between 1 and 10."
+    assert env.step("maybe 3?") == ("Higher.", False)
+    assert env.step("9, no, 12") == ("Lower.", False)
+    assert env.step("1" * 5000) == (again, False)
+    assert env.step("no idea") == (again, True) and not env.solved
+    solved = make_env(task)
+    assert solved.step("it is 7") == ("Correct!", True) and solved.solved

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
+import torch
 
 from rlbus.common.protocol import pack, unpack
 from rlbus.common.tasksets import ArithTaskset, CountdownTaskset, GuessTaskset
@@ -67,6 +69,21 @@ def test_exceptions_and_non_finite_scores_become_the_failure_score():
     r = evaluate(lambda t, resp: float("nan"), {"task_id": "x"}, Response("a"))
     assert r.score == 0.0 and "finite" in r.reason
     assert evaluate(lambda t, resp: 0.5, {}, Response("a")).score == 0.5
+
+
+@pytest.mark.parametrize("given", ["0.5", b"1", None, [1.0], {"score": 1.0}, object(), np.array([1.0, 2.0]),
+                                   torch.tensor([1.0, 0.0]), np.float32("nan")])
+def test_a_score_that_is_no_finite_number_becomes_the_failure_score_bare_or_in_a_result(given):
+    for fn in (lambda t, resp: given, lambda t, resp: RewardResult(given, {}, "")):
+        r = evaluate(fn, {"task_id": "x"}, Response("a"), failure_score=-1.0)
+        assert (r.score, r.reason) == (-1.0, "reward was not a finite number") and "raw_score" in r.details
+
+
+@pytest.mark.parametrize("given", [np.float32(0.25), np.float64(0.25), np.int64(1), torch.tensor(0.25), True])
+def test_a_numpy_or_torch_number_is_a_score_bare_or_in_a_result(given):
+    for fn in (lambda t, resp: given, lambda t, resp: RewardResult(given, {}, "why")):
+        r = evaluate(fn, {}, Response("a"))
+        assert r.score == float(given) and type(r.score) is float
 
 
 def test_weighted_combination_and_parameters():

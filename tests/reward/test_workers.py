@@ -90,6 +90,59 @@ def test_a_worker_dying_mid_request_has_its_request_rerouted(broker_factory, cli
     assert any(e["event"] == "eval_rerouted" and e["lost_worker"] == victim for e in b.log_events())
 
 
+def test_items_a_reward_cannot_score_get_the_failure_score_and_the_worker_serves_on(broker_factory, clients, workers):
+    """An item without a task and a plugin whose answer is no number (a string, nil, a list): each such item is
+    scored `failure_score` with its reason, the rest of the job as usual, and the worker stays up for the next."""
+    b = broker_factory("reward.eval_timeout_s=30")
+    proc = workers(b, "w1", "reward.failure_score=-1.0")
+    ex = clients(b, "explorer", "ex")
+    wait_for_services(ex, 1)
+    items = [{"text": "x"}, *({"task": {"give": given}, "text": "x"} for given in ("abc", None, [1, 2])),
+             {"task": {"answer": "x"}, "text": "x"}]
+    reply = ex.submit(P.EVAL, {"service": SLOW, "items": items}).result(30)
+    assert reply.command == P.RESULT, reply.header
+    results = reply.header["results"]
+    assert [r["score"] for r in results] == [-1.0, -1.0, -1.0, -1.0, 1.0]
+    assert [r["reason"] for r in results[:4]] == ["reward raised an exception"] + ["reward was not a finite number"] * 3
+    assert proc.poll() is None
+    assert RemoteReward(ex, "math", 30).score_batch([{"answer": "42"}], [Response("\\boxed{42}")])[0].score == 1.0
+
+
+def test_a_service_that_fails_on_a_job_answers_it_with_the_failure_score_and_serves_the_next(broker_factory, clients,
+                                                                                              tmp_path):
+    """A service whose scoring raises (a reward model on input it cannot take, say): the job is answered, each
+    item with `failure_score` and the reason, and the worker goes on. In process, the failing service a stand-in."""
+    import threading
+
+    from rlbus.common.config import load_config
+    from rlbus.reward.worker import RewardWorker
+
+    b = broker_factory("reward.eval_timeout_s=30")
+    cfg = load_config(None, [f"broker.address={b.address}", "broker.heartbeat_interval_s=0.2",
+                             "reward.failure_score=-1.0", f"run.dir={tmp_path}"], environ={})
+    worker = RewardWorker(cfg, [SLOW], "w-in-process")  # not math: math-verify times out by signal, main thread only
+
+    def fails(items):
+        raise RuntimeError("cannot take this input")
+
+    worker.handlers["fails"] = fails
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    try:
+        ex = clients(b, "explorer", "ex")
+        wait_for_services(ex, 1)
+        reply = ex.submit(P.EVAL, {"service": "fails", "items": [{"text": "a"}, {"text": "b"}]}).result(30)
+        assert [(r["score"], r["reason"]) for r in reply.header["results"]] == \
+            [(-1.0, "the reward service failed on this job")] * 2
+        assert "cannot take this input" in reply.header["results"][0]["details"]["error"]
+        assert [r.score for r in RemoteReward(ex, SLOW, 30).score_batch([{"answer": "x"}] * 2,
+                                                                        [Response("x"), Response("y")])] == [1.0, 0.0]
+    finally:
+        worker.stop()
+        thread.join(10)
+    assert not thread.is_alive()
+
+
 def hand_made_workers(b, raw_dealer, *names: str) -> dict[str, zmq.Socket]:
     """Reward workers as bare sockets, to answer what no rlbus worker would."""
     socks = {}
