@@ -183,9 +183,7 @@ class Launcher:
         return ports
 
     def _last_error(self, name: str) -> str | None:
-        """What a component's log last said went wrong (its `error` field, else the event's name)."""
-        errors = [e for e in events(self.logs / f"{name}.jsonl") if e.get("level") in ("error", "critical")]
-        return str(errors[-1].get("error") or errors[-1]["event"])[:500] if errors else None
+        return last_error(self.logs, name)
 
     def stop(self, *_: object) -> None:
         self._stopping = True
@@ -317,6 +315,23 @@ class Launcher:
             self.exit_code = 1
             return True
         return False
+
+
+def last_error(logs: Path, name: str) -> str | None:
+    """What a component's log last said went wrong (its `error` field, else the event's name), or, where it
+    logged no error, the one-line `error: ...` its command printed on the way out (a bad setting found before
+    its logging started)."""
+    errors = [e for e in events(logs / f"{name}.jsonl") if e.get("level") in ("error", "critical")]
+    if errors:
+        return str(errors[-1].get("error") or errors[-1]["event"])[:500]
+    try:
+        with open(logs / f"{name}.out", "rb") as f:
+            f.seek(max(0, f.seek(0, 2) - 65536))
+            tail = f.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return None
+    said = [line for line in tail if line.startswith("error: ")]
+    return said[-1].removeprefix("error: ")[:500] if said else None
 
 
 def _wait_group_gone(pgid: int, timeout: float) -> None:
