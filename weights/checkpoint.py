@@ -39,6 +39,28 @@ def _fsync_tree(path: Path) -> None:
     _fsync_dir(path)
 
 
+def umask() -> int:
+    """This process's umask, read without setting it (os.umask would change it for every thread meanwhile)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
+
+
+def modes_as_umask(path: Path) -> None:
+    """Give every file of a flat directory the mode a plain open() gives it under this process's umask.
+    safetensors writes its files 0600 whatever the umask, so saved weights were readable by their owner only:
+    not by an explorer or an evaluation running as another user on a shared file system."""
+    mode = 0o666 & ~umask()
+    for file in path.iterdir():
+        if file.is_file() and file.stat().st_mode & 0o777 != mode:
+            file.chmod(mode)
+
+
 class CheckpointSender:
     method = "checkpoint"
 
@@ -84,6 +106,7 @@ class CheckpointSender:
         for name in _TOKENIZER_FILES:
             if (self.base / name).exists():
                 shutil.copy2(self.base / name, tmp / name)
+        modes_as_umask(tmp)
         _fsync_tree(tmp)
         if final.exists():
             shutil.rmtree(final)

@@ -27,6 +27,7 @@ from typing import Callable
 import structlog
 
 from rlbus.common.config import ConfigError
+from rlbus.weights.checkpoint import modes_as_umask
 
 log = structlog.get_logger()
 
@@ -116,6 +117,7 @@ def prepare_bundled(name: str = "smollm2-135m", cache_dir: str = "",
         phase("saving")
         model.save_pretrained(out)
         tok.save_pretrained(out)
+        modes_as_umask(out)
         phase("checking")
         check = AutoModelForCausalLM.from_pretrained(out)
         if check.config.vocab_size != model.config.vocab_size:
@@ -153,6 +155,7 @@ def make_tiny(directory: str | Path, tokenizer_from: str | Path, layers: int = 2
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tok.save_pretrained(out)
+    modes_as_umask(out)
     (out / _READY).write_text(json.dumps({"tiny": True, "layers": layers, "hidden": hidden, "seed": seed}))
     return out
 
