@@ -352,7 +352,7 @@ class TrainerConfig(Section):
     and the prefix common to all groups) is computed once: same loss and gradients as one row per sample, with
     fewer tokens (trainer/packing.py). Models whose attention takes no custom mask fall back to rows."""
     checkpoint_every: int = Field(10, ge=0)
-    """Save a training checkpoint every K steps (0: never; then every step is committed at once)."""
+    """Save a training checkpoint every K steps and at the last (0: never; then every step is committed at once)."""
     keep_checkpoints: int = Field(2, ge=1)
     """Training checkpoints kept on disk."""
     device: str = "cpu"

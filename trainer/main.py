@@ -13,8 +13,8 @@ Step t (0-based) trains the policy of version t and produces version t + 1:
    to train on still counts as the step (no update), so lockstep explorers
    are never left waiting.
 3. Every `sync_interval` steps publish the weights (a sender of rlbus.weights.sync).
-4. Every `checkpoint_every` steps save a training checkpoint and COMMIT the
-   steps it covers; a restarted trainer resumes from it and the broker
+4. Every `checkpoint_every` steps, and at the run's last step, save a
+   training checkpoint and COMMIT the steps it covers; a restarted trainer resumes from it and the broker
    re-delivers the batches it had not committed.
 
 One `train_step` log line per step carries the canonical metrics.
@@ -131,7 +131,8 @@ class Trainer(Learner):
         self.version = self.step + 1
         published = self._publish_due()
         every = self.cfg.trainer.checkpoint_every
-        saves = every > 0 and (self.step + 1) % every == 0
+        # ... and the run's last step: a finished run's final state (optimizer too) is on disk and committed
+        saves = every > 0 and ((self.step + 1) % every == 0 or self.step + 1 == self.cfg.trainer.total_steps)
         if self.world is not None:  # the other ranks train on the same batch: a copy of its frames goes to them
             self._tell(Plan("train", self.step, published, saves, [bytes(f) for f in P.encode(
                 reply.command, reply.header, reply.payloads)]))

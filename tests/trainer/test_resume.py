@@ -105,6 +105,24 @@ def test_sigkill_and_resume_gives_the_weights_of_an_uninterrupted_run(broker_fac
     assert any(not torch.equal(wa[k], w0[k]) for k in wa), "training changed the weights"
 
 
+def test_a_finished_run_checkpoints_and_commits_its_last_step(broker_factory, clients, tiny_model, tmp_path):
+    """Three steps, a checkpoint every two: the last step (2) is saved and COMMITted as the run ends, so a finished
+    run's final state (optimizer and all) is on disk, and a trainer started on it again trains nothing."""
+    b = broker_factory("sync.sync_style=async", "sync.max_staleness=100", "rollout.repeat=4", "data.batch_tasks=2")
+    feed(b, clients, steps=3)
+    log_path = tmp_path / "t.jsonl"
+    assert start_trainer(b, tmp_path / "run", tiny_model, log_path, 3).wait(300) == 0
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step_00000001",
+                                                                                    "step_00000002"]
+    db = sqlite3.connect(b.data_dir / "buffer.sqlite3")
+    committed = [step for step, done in db.execute("SELECT step, committed FROM batches ORDER BY step") if done]
+    db.close()
+    assert committed == [0, 1, 2]
+    assert start_trainer(b, tmp_path / "run", tiny_model, log_path, 3).wait(300) == 0
+    assert steps_logged(log_path) == [0, 1, 2]
+    assert [e["step"] for e in events(log_path, "trainer_resumed")] == [3]
+
+
 def test_trainer_killed_two_steps_after_its_checkpoint_resumes_and_finishes(broker_factory, clients, tiny_model,
                                                                            tmp_path):
     """The broker announced a version newer than the checkpoint's: the resumed trainer skips publishing up to it

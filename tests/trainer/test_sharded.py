@@ -19,6 +19,7 @@ from rlbus.logview import events
 from tests.conftest import free_port, reap
 from tests.helpers.weights import assert_same_weights
 from tests.trainer.test_resume import delivered, feed, start_trainer, steps_logged
+from tests.trainer.test_trainer import synthetic
 
 pytestmark = pytest.mark.slow  # starts engines or trains
 
@@ -69,18 +70,28 @@ def test_two_ranks_train_the_single_process_steps_and_resume_at_either_world_siz
     assert_same_weights(w2, w1, lr=1e-3)
     w0 = load_file(os.path.join(tiny_model, "model.safetensors"))
     assert any(not torch.equal(w1[k], w0[k]) for k in w1), "training changed the weights"
-    sharded = tmp_path / "two" / "checkpoints" / "step_00000001"
-    assert (sharded / "meta.pt").exists() and list((sharded / "shards").glob("*.distcp"))
+    for step in (1, 2):  # every checkpoint_every (2) steps, and the run's last step
+        sharded = tmp_path / "two" / "checkpoints" / f"step_{step:08d}"
+        assert (sharded / "meta.pt").exists() and list((sharded / "shards").glob("*.distcp"))
+        assert (tmp_path / "one" / "checkpoints" / f"step_{step:08d}" / "state.pt").exists()
 
     # Step 2 again, resumed: the two ranks' sharded checkpoint at two ranks (started by torchrun, as on several
-    # hosts) and at one, and the single process's checkpoint at two ranks.
+    # hosts) and at one, and the single process's checkpoint at two ranks. The last step's checkpoint goes, as
+    # if the trainer had died before it; the broker delivers the step's batch again, committed or not.
     want = step_metrics(tmp_path / "one.jsonl", 2)
+    for run in ("one", "two"):
+        shutil.rmtree(tmp_path / run / "checkpoints" / "step_00000002")
     shutil.copytree(tmp_path / "two", tmp_path / "two-at-one")
     shutil.copytree(tmp_path / "one", tmp_path / "one-at-two")
-    for b, run, world, torchrun in ((two, "two", 2, True), (two, "two-at-one", 1, False),
-                                    (one, "one-at-two", 2, False)):
+    for run, world, torchrun in (("two", 2, True), ("two-at-one", 1, False), ("one-at-two", 2, False)):
+        # Step 2 was committed with its checkpoint: each resume takes it from a broker of its own holding it.
+        b = broker_factory(*SETS)
+        ex = clients(b, "explorer", "feeder")
+        for g in (4, 5):  # step 2's two groups, as `feed` made them
+            ex.put(synthetic(f"g{g}", batch=g // 2, seed=7), timeout=10)
         log = tmp_path / f"{run}.resumed.jsonl"
         train(b, tmp_path / run, tiny_model, log, world=world, steps=3, torchrun=torchrun)
+        assert delivered(b)[2] == delivered(one)[2], "step 2's batch, its groups in the same order"
         assert [e["step"] for e in events(log, "trainer_resumed")] == [2], run
         assert steps_logged(log) == [2], run
         assert_same_step(step_metrics(log, 2), want)
