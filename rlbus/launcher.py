@@ -275,12 +275,14 @@ class Launcher:
     def summary(self) -> dict:
         """The run in numbers: held-out accuracy before and after, time to 0.9, reward over the steps."""
         evals = sorted(events(self.logs / "explorer-0.jsonl", "eval"), key=lambda e: e["policy_version"])
-        steps = [e for e in events(self.logs / "trainer.jsonl", "train_step") if e.get("reward_mean") is not None]
+        # A step trained again after a resume from a checkpoint is one step: its last training is the one kept.
+        trained = {e["step"]: e for e in events(self.logs / "trainer.jsonl", "train_step") if "step" in e}
+        steps = [e for _, e in sorted(trained.items()) if e.get("reward_mean") is not None]
         rewards = [e["reward_mean"] for e in steps]
         k = max(1, min(5, len(rewards) // 2))
         reached = [e["elapsed_s"] for e in evals if e["accuracy"] >= 0.9]
         result = {
-            "steps": len(events(self.logs / "trainer.jsonl", "train_step")),
+            "steps": len(trained),
             "accuracy_before": evals[0]["accuracy"] if evals and evals[0]["policy_version"] == 0 else None,
             "accuracy_after": evals[-1]["accuracy"] if evals else None,
             "final_version": evals[-1]["policy_version"] if evals else None,

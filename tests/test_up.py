@@ -43,6 +43,21 @@ def test_a_trainer_that_finishes_while_the_launcher_looks_ends_the_run_as_finish
 
 
 
+def test_the_summary_counts_a_step_trained_again_after_a_resume_once_with_its_last_reward(tmp_path):
+    from rlbus.common.config import load_config
+    from rlbus.launcher import Launcher
+
+    cfg = load_config(None, [f"run.dir={tmp_path}/run", "broker.port=5555", "broker.pub_port=5556"], environ={})
+    launcher = Launcher(cfg)
+    lines = [{"event": "train_step", "level": "info", "ts": float(i), "step": step, "reward_mean": reward}
+             for i, (step, reward) in enumerate([(0, 0.1), (1, 0.2), (2, 0.3), (1, 0.25), (2, 0.35), (3, 0.4)])]
+    (launcher.logs / "trainer.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines))
+    summary = launcher.summary()
+    assert summary["steps"] == 4
+    assert summary["reward_by_step"] == [(0, 0.1), (1, 0.25), (2, 0.35), (3, 0.4)]
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 4
+
+
 def test_eval_overlap_on_cores_the_trainer_shares_is_warned_about():
     """Evaluation beside training on the trainer's own cores slows both many times over: `rlbus up` says so."""
     from structlog.testing import capture_logs
