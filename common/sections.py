@@ -262,10 +262,9 @@ class ExplorerConfig(Section):
     eval_every: int = Field(0, ge=0)
     """Greedy accuracy on the held-out set every this many policy versions, and at versions 0 and the last (0: never)."""
     eval_overlap: bool = False
-    """Batch at a time: evaluate a version after PUTting the batch rolled out with it, while the trainer trains on that
-    batch, instead of between leasing the batch and rolling it out (where a lockstep run waits for it). For explorers
-    whose engine has a device or cores of its own: on cores a CPU trainer shares, each slows the other many times over
-    (`rlbus up` warns)."""
+    """Batch at a time: evaluate a version after PUTting its batch, while the trainer trains on it, not between leasing
+    the batch and rolling it out (where a lockstep run waits). For engines with a device or cores of their own: on
+    cores a CPU trainer shares, each slows the other many times over (`rlbus up` warns)."""
     receive: Literal["auto", "checkpoint", "fetch"] = "auto"
     """auto: join the broadcast group when the run uses sync_method nccl, else read the announced directory when
     this host can, else fetch from the trainer's weight server; checkpoint: never join a broadcast; fetch: always
@@ -292,6 +291,8 @@ class ExplorerConfig(Section):
     kv_cache_mb: int | None = Field(None, gt=0)
     """Each worker's KV cache in MiB (vLLM kv_cache_memory_bytes), instead of what memory_fraction leaves: on CPU a
     share of the NUMA node's memory, which a small or resized host (virtio-mem, a balloon) can leave empty."""
+    max_model_len: int = Field(0, ge=0)
+    """Prompt and response tokens the engine holds per sample (vLLM max_model_len); 0: max(1024, rollout.max_tokens + 512)."""
     tensor_parallel: int = Field(1, ge=1, le=MAX_WORKERS)
     """vLLM tensor_parallel_size: the engine's workers (one GPU each) that split every layer. A weight broadcast
     reaches each worker, as a rank of its own."""
@@ -304,10 +305,9 @@ class ExplorerConfig(Section):
     a task is leased as soon as samples that ended leave room for its own, even while their group waits for its
     slowest one. 0: tasks_per_lease."""
     swap_kv: Literal["recompute", "keep"] = "recompute"
-    """Requests in flight when new weights are swapped in: recompute their KV under the new weights (exact: every
-    token is sampled from the version it is labelled with, at the cost of a prefill of everything in flight per
-    swap), or keep it (later tokens attend to KV older weights computed; their logprobs are still the ones they
-    were sampled with; prefix caching is then off)."""
+    """Requests in flight when new weights are swapped in: recompute their KV under the new weights (exact: each token
+    is sampled from the version it is labelled with; a prefill of everything in flight per swap), or keep it (later
+    tokens attend to KV older weights computed, logprobs still those sampled with; prefix caching is then off)."""
     swap_lag: int = Field(1, ge=1)
     """Streaming with in-flight updates: swap once the newest announced version is this many ahead of the
     engine's, and then to the newest (2 halves the pauses when every version is published). Must stay within

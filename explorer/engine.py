@@ -80,6 +80,7 @@ class Engine:
             raise ValueError(f"swap_kv must be recompute or keep, not {swap_kv!r}")
         started = time.monotonic()
         self.swap_kv = swap_kv
+        self.max_model_len = max_model_len  # prompt and response tokens of one sample
         self.inline = inline_core(core)
         if threads and not self.inline:
             raise ValueError("explorer.threads sets the threads of an engine core inline (explorer.engine_core); "

@@ -33,10 +33,9 @@ Once the run is over (the trainer has taken its last step: LEASE is answered
 DONE `finished`, and the bus says `finished` to one waiting for weights) or
 its taskset is exhausted, the explorer PUTs what it has in hand and stops.
 Heartbeats flow from the client's thread during long generations. On SIGTERM
-(or SIGHUP, SIGINT) the explorer finishes the tasks in hand, PUTs them, and
-says BYE, which releases any lease it still holds; if the broker has gone too
-(the whole run is stopping), it exits once the broker has been silent for
-`broker.liveness` heartbeats instead of waiting for it (or for reward workers).
+(or SIGHUP, SIGINT) it finishes the tasks in hand, PUTs them and says BYE (which
+releases its leases); if the broker has gone too (the run is stopping), it exits
+after `broker.liveness` silent heartbeats, waiting for neither it nor reward workers.
 """
 
 from __future__ import annotations
@@ -59,7 +58,7 @@ from rlbus.common.tasksets import Taskset, make_taskset
 from rlbus.explorer.activity import Activity
 from rlbus.explorer.envs import make_env
 from rlbus.explorer.inflight import Loader, Stopping
-from rlbus.explorer.rollout import Rollouts, greedy_accuracy, roll_out
+from rlbus.explorer.rollout import Rollouts, context_tokens, greedy_accuracy, roll_out
 from rlbus.reward.base import from_config
 from rlbus.weights.models import resolve_model, with_rollout_dtype
 from rlbus.weights.sync import Receiver
@@ -386,6 +385,7 @@ def run(cfg: RunConfig) -> None:
     reward_fn = from_config(cfg.reward)  # a reward that cannot load, or a bad held-out file: said before the engine
     held_out = make_taskset(cfg.data, eval_set=True) if cfg.explorer.eval_every else None
     engine = Engine(resolve_model(cfg.model.path, cfg.model.cache_dir), seed=cfg.rollout.seed,
+                    max_model_len=context_tokens(cfg.explorer.max_model_len, cfg.rollout.max_tokens),
                     memory_fraction=cfg.explorer.memory_fraction, kv_cache_mb=cfg.explorer.kv_cache_mb,
                     dtype=cfg.rollout.dtype, core=cfg.explorer.engine_core, swap_kv=cfg.explorer.swap_kv,
                     tensor_parallel=cfg.explorer.tensor_parallel, threads=cfg.explorer.threads)

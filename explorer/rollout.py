@@ -22,10 +22,13 @@ from typing import Any, Callable
 
 import msgspec
 import numpy as np
+import structlog
 
 from rlbus.common.messages import Trajectory
 from rlbus.common.trajectory import encode_payload
 from rlbus.reward.base import Response, evaluate
+
+log = structlog.get_logger()
 
 
 def score_all(reward_fn: Callable, tasks: list[dict], responses: list[Response], name: str) -> list:
@@ -119,6 +122,7 @@ class Rollouts:
         self._requests: dict[str, list[_Episode]] = {}  # engine request id -> the episodes it samples for
         self._turns = itertools.count()
         self.generate_s: list[float] = []  # of each group the last step completed: submitted to done
+        self._cut_said = False  # whether a prompt left less room than max_tokens was warned about
 
     @property
     def tasks(self) -> int:
@@ -142,6 +146,14 @@ class Rollouts:
                 self._submit(group.episodes, group.prompt_ids)
 
     def _submit(self, episodes: list[_Episode], prompt: list[int]) -> None:
+        task = episodes[0].group.lease["task_id"]
+        room = room_after(self.engine, prompt, task)
+        if room < self.max_tokens and not self._cut_said:
+            self._cut_said = True  # once: every sample of such a task ends there
+            log.warning("responses_cut_by_the_context", task_id=task, prompt_tokens=len(prompt),
+                        max_tokens=self.max_tokens, max_model_len=self.engine.max_model_len,
+                        hint=f"responses to this prompt end after {room} tokens, not rollout.max_tokens; "
+                             f"raise explorer.max_model_len to give them room")
         rid = f"{episodes[0].group.lease['lease_id']}/{next(self._turns)}"
         self.engine.submit(rid, prompt, n=len(episodes), temperature=self.temperature, top_p=self.top_p,
                            max_tokens=self.max_tokens)
@@ -175,7 +187,11 @@ class Rollouts:
         episode.response_ids += env_ids  # the environment's words, as the model sees them: mask 0, logprob 0
         episode.logprobs += [0.0] * len(env_ids)
         episode.loss_mask += [0] * len(env_ids)
-        self._submit([episode], episode.group.prompt_ids + episode.response_ids)
+        conversation = episode.group.prompt_ids + episode.response_ids
+        if len(conversation) >= self.engine.max_model_len:  # no room for another turn: the episode ends here
+            episode.done = True
+            return
+        self._submit([episode], conversation)
 
     def _build(self, group: _Group) -> list[tuple[dict, bytes]]:
         generated = time.monotonic()
@@ -194,6 +210,26 @@ class Rollouts:
                 for e, result in zip(group.episodes, results)]
 
 
+def context_tokens(max_model_len: int, max_tokens: int) -> int:
+    """The engine's max_model_len: `explorer.max_model_len`, else (0) room for `rollout.max_tokens` after a prompt
+    of 512 tokens, and never less than 1024."""
+    return max_model_len or max(1024, max_tokens + 512)
+
+
+class PromptTooLong(ValueError):
+    """A task's prompt that leaves the engine no room for a response."""
+
+
+def room_after(engine, prompt: list[int], task_id: Any) -> int:
+    """Tokens the engine can generate after `prompt`; PromptTooLong, naming the task and the setting, if none."""
+    room = engine.max_model_len - len(prompt)
+    if room < 1:
+        raise PromptTooLong(f"task {task_id!r}: its prompt is {len(prompt)} tokens and the engine holds "
+                            f"{engine.max_model_len} a sample (explorer.max_model_len): raise that, or shorten "
+                            f"the task's prompt")
+    return room
+
+
 def roll_out(engine, leases: list[dict[str, Any]], **kw) -> list[list[tuple[dict, bytes]]]:
     """Roll out and score `leases` together; returns one list of trajectories per lease, in order. `kw` are
     `Rollouts`' settings (with `leased_at`)."""
@@ -210,6 +246,8 @@ def roll_out(engine, leases: list[dict[str, Any]], **kw) -> list[list[tuple[dict
 def greedy_accuracy(engine, tasks: list[dict[str, Any]], reward_fn: Callable, max_tokens: int, name: str) -> float:
     """The share of `tasks` whose greedy answer scores 1 or more (held-out evaluation), scored as rollouts are."""
     prompts = [engine.chat_prompt([{"role": "user", "content": t["prompt"]}]) for t in tasks]
+    for task, prompt in zip(tasks, prompts):
+        room_after(engine, prompt, task.get("task_id"))
     outs = engine.generate(prompts, n=1, temperature=0.0, max_tokens=max_tokens)
     results = score_all(reward_fn, tasks, [Response(o[0].text, o[0].token_ids) for o in outs], name)
     return sum(1 for r in results if r.score >= 1.0) / len(results)

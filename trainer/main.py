@@ -131,7 +131,6 @@ class Trainer(Learner):
         self.version = self.step + 1
         published = self._publish_due()
         every = self.cfg.trainer.checkpoint_every
-        # ... and the run's last step: a finished run's final state (optimizer too) is on disk and committed
         saves = every > 0 and ((self.step + 1) % every == 0 or self.step + 1 == self.cfg.trainer.total_steps)
         if self.world is not None:  # the other ranks train on the same batch: a copy of its frames goes to them
             self._tell(Plan("train", self.step, published, saves, [bytes(f) for f in P.encode(

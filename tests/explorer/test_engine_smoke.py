@@ -45,3 +45,54 @@ def test_the_kv_cache_has_the_size_asked_for_whatever_the_host_memory(engine):
     per_token = 2 * hf.num_hidden_layers * hf.num_key_value_heads * (hf.hidden_size // hf.num_attention_heads) * 4
     tokens = config.cache_config.num_gpu_blocks * config.cache_config.block_size
     assert tokens * per_token == TINY_KV_MB << 20
+
+
+def test_a_prompt_the_engine_cannot_hold_is_an_error_naming_it_and_one_that_cuts_responses_a_warning(engine):
+    """The engine (max_model_len 512 here) holds prompt and response of a sample: a task whose prompt fills it is
+    refused before vLLM sees it, naming the task and the setting, and one that leaves fewer tokens than
+    rollout.max_tokens is said once, its responses ending where the engine's room does."""
+    import time
+
+    from structlog.testing import capture_logs
+
+    from rlbus.explorer.rollout import PromptTooLong, context_tokens, greedy_accuracy, roll_out
+    from rlbus.reward.base import resolve
+
+    def lease(i: int, words: int) -> dict:
+        task = {"prompt": " ".join(["seven"] * words), "answer": "7", "kind": "arith", "task_id": f"long-{i}"}
+        return {"lease_id": f"l{i}", "task_id": f"long-{i}", "seq": i, "batch_index": 0, "task": task}
+
+    kw = dict(repeat=2, temperature=1.0, top_p=1.0, max_tokens=64, reward_fn=resolve("arith"), reward_name="arith",
+              explorer="x", leased_at=time.monotonic())
+    with pytest.raises(PromptTooLong, match=r"task 'long-0': its prompt is \d+ tokens and the engine holds 512 a "
+                                            r"sample \(explorer.max_model_len\)"):
+        roll_out(engine, [lease(0, 600)], **kw)
+    with pytest.raises(PromptTooLong, match="task 'long-0'"):
+        greedy_accuracy(engine, [lease(0, 600)["task"]], resolve("arith"), 8, "arith")
+    prompt = engine.chat_prompt([{"role": "user", "content": lease(1, 480)["task"]["prompt"]}])
+    room = 512 - len(prompt)
+    assert 0 < room < 64
+    with capture_logs() as logs:
+        groups = roll_out(engine, [lease(1, 480), lease(2, 480)], **kw)
+    cut = [e for e in logs if e["event"] == "responses_cut_by_the_context"]
+    assert len(cut) == 1 and cut[0]["max_model_len"] == 512 and f"end after {room} tokens" in cut[0]["hint"]
+    assert all(meta["n_tokens"] <= room for group in groups for meta, _ in group)
+    assert (context_tokens(0, 24), context_tokens(0, 2000), context_tokens(4096, 24)) == (1024, 2512, 4096)
+
+
+def test_an_episode_whose_conversation_fills_the_engine_ends_there(engine):
+    """A multi-turn episode takes another turn only while the conversation leaves the engine room for one."""
+    import time
+
+    from rlbus.explorer.envs import make_env
+    from rlbus.explorer.rollout import roll_out
+    from rlbus.reward.base import resolve
+
+    task = {"prompt": " ".join(["seven"] * 470), "answer": "7", "low": 1, "high": 9, "max_turns": 50, "env": "guess",
+            "kind": "guess", "task_id": "guess-long"}
+    leases = [{"lease_id": "g0", "task_id": "guess-long", "seq": 0, "batch_index": 0, "task": task}]
+    groups = roll_out(engine, leases, make_env=make_env, repeat=2, temperature=1.0, top_p=1.0, max_tokens=8,
+                      reward_fn=resolve("guess"), reward_name="guess", explorer="x", leased_at=time.monotonic())
+    prompt = engine.chat_prompt([{"role": "user", "content": task["prompt"]}])
+    for meta, _ in groups[0]:
+        assert len(prompt) + meta["n_tokens"] <= 512 + 40  # the last environment answer may pass the engine's room

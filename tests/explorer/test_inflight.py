@@ -150,7 +150,7 @@ class StragglerEngine:
     still generating is checked against vLLM above): sample 0 of every request takes `long` steps, the others
     one. Records the most requests and sequences it ever held."""
 
-    version, busy_s, paused_s, sequence_s, threads = 0, 0.0, 0.0, 0.0, 1
+    version, busy_s, paused_s, sequence_s, threads, max_model_len = 0, 0.0, 0.0, 0.0, 1, 1024
 
     def __init__(self, long: int):
         self.long = long
