@@ -292,7 +292,8 @@ class ExplorerConfig(Section):
     """Each worker's KV cache in MiB (vLLM kv_cache_memory_bytes), instead of what memory_fraction leaves: on CPU a
     share of the NUMA node's memory, which a small or resized host (virtio-mem, a balloon) can leave empty."""
     max_model_len: int = Field(0, ge=0)
-    """Prompt and response tokens the engine holds per sample (vLLM max_model_len); 0: max(1024, rollout.max_tokens + 512)."""
+    """Tokens of prompt and response the engine holds a sample (vLLM max_model_len); 0: max(1024, rollout.max_tokens
+    + 512), within the model's context (max_position_embeddings)."""
     tensor_parallel: int = Field(1, ge=1, le=MAX_WORKERS)
     """vLLM tensor_parallel_size: the engine's workers (one GPU each) that split every layer. A weight broadcast
     reaches each worker, as a rank of its own."""

@@ -60,7 +60,7 @@ from rlbus.explorer.envs import make_env
 from rlbus.explorer.inflight import Loader, Stopping
 from rlbus.explorer.rollout import Rollouts, context_tokens, greedy_accuracy, roll_out
 from rlbus.reward.base import from_config
-from rlbus.weights.models import resolve_model, with_rollout_dtype
+from rlbus.weights.models import model_context, resolve_model, with_rollout_dtype
 from rlbus.weights.sync import Receiver
 
 log = structlog.get_logger()
@@ -384,11 +384,11 @@ def run(cfg: RunConfig) -> None:
     cfg = with_rollout_dtype(cfg)  # the engine computes in it
     reward_fn = from_config(cfg.reward)  # a reward that cannot load, or a bad held-out file: said before the engine
     held_out = make_taskset(cfg.data, eval_set=True) if cfg.explorer.eval_every else None
-    engine = Engine(resolve_model(cfg.model.path, cfg.model.cache_dir), seed=cfg.rollout.seed,
-                    max_model_len=context_tokens(cfg.explorer.max_model_len, cfg.rollout.max_tokens),
-                    memory_fraction=cfg.explorer.memory_fraction, kv_cache_mb=cfg.explorer.kv_cache_mb,
-                    dtype=cfg.rollout.dtype, core=cfg.explorer.engine_core, swap_kv=cfg.explorer.swap_kv,
-                    tensor_parallel=cfg.explorer.tensor_parallel, threads=cfg.explorer.threads)
+    path, x = resolve_model(cfg.model.path, cfg.model.cache_dir), cfg.explorer
+    engine = Engine(path, seed=cfg.rollout.seed, dtype=cfg.rollout.dtype, memory_fraction=x.memory_fraction,
+                    max_model_len=context_tokens(x.max_model_len, cfg.rollout.max_tokens, model_context(path)),
+                    kv_cache_mb=x.kv_cache_mb, core=x.engine_core, swap_kv=x.swap_kv,
+                    tensor_parallel=x.tensor_parallel, threads=x.threads)
     try:
         engine.warm_up()
         explorer = Explorer(cfg, engine, held_out=held_out, reward_fn=reward_fn)

@@ -152,8 +152,8 @@ class Rollouts:
             self._cut_said = True  # once: every sample of such a task ends there
             log.warning("responses_cut_by_the_context", task_id=task, prompt_tokens=len(prompt),
                         max_tokens=self.max_tokens, max_model_len=self.engine.max_model_len,
-                        hint=f"responses to this prompt end after {room} tokens, not rollout.max_tokens; "
-                             f"raise explorer.max_model_len to give them room")
+                        hint=f"responses to this prompt end after {room} tokens, not rollout.max_tokens: raise "
+                             f"explorer.max_model_len (within the model's context) or lower rollout.max_tokens")
         rid = f"{episodes[0].group.lease['lease_id']}/{next(self._turns)}"
         self.engine.submit(rid, prompt, n=len(episodes), temperature=self.temperature, top_p=self.top_p,
                            max_tokens=self.max_tokens)
@@ -210,10 +210,10 @@ class Rollouts:
                 for e, result in zip(group.episodes, results)]
 
 
-def context_tokens(max_model_len: int, max_tokens: int) -> int:
+def context_tokens(max_model_len: int, max_tokens: int, model_context: int | None = None) -> int:
     """The engine's max_model_len: `explorer.max_model_len`, else (0) room for `rollout.max_tokens` after a prompt
-    of 512 tokens, and never less than 1024."""
-    return max_model_len or max(1024, max_tokens + 512)
+    of 512 tokens, and never less than 1024, nor more than the model's own context (`model_context`)."""
+    return max_model_len or min(max(1024, max_tokens + 512), model_context or 1 << 62)
 
 
 class PromptTooLong(ValueError):

@@ -172,3 +172,18 @@ def resolve_model(path: str, cache_dir: str = "") -> str:
         return path  # a hub id; loading it needs a reachable hub
     raise ConfigError(f"model.path={path!r} is neither a bundled model ({sorted(BUNDLED)}), "
                       f"a local HF model directory, nor a hub id (owner/name)")
+
+
+def model_context(path: str) -> int | None:
+    """The longest sequence a resolved model takes (its config's max_position_embeddings), or None where its
+    config does not say or cannot be read here."""
+    try:
+        if Path(path).is_dir():
+            value = json.loads((Path(path) / "config.json").read_text()).get("max_position_embeddings")
+        else:
+            from transformers import AutoConfig
+
+            value = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None)
+    except Exception:  # a hub that cannot be reached: vLLM says so itself as the engine starts
+        return None
+    return value if isinstance(value, int) and value > 0 else None

@@ -47,7 +47,9 @@ def test_the_kv_cache_has_the_size_asked_for_whatever_the_host_memory(engine):
     assert tokens * per_token == TINY_KV_MB << 20
 
 
-def test_a_prompt_the_engine_cannot_hold_is_an_error_naming_it_and_one_that_cuts_responses_a_warning(engine):
+def test_a_prompt_the_engine_cannot_hold_is_an_error_naming_it_and_one_that_cuts_responses_a_warning(engine,
+                                                                                                     tiny_model,
+                                                                                                     tmp_path):
     """The engine (max_model_len 512 here) holds prompt and response of a sample: a task whose prompt fills it is
     refused before vLLM sees it, naming the task and the setting, and one that leaves fewer tokens than
     rollout.max_tokens is said once, its responses ending where the engine's room does."""
@@ -78,6 +80,11 @@ def test_a_prompt_the_engine_cannot_hold_is_an_error_naming_it_and_one_that_cuts
     assert len(cut) == 1 and cut[0]["max_model_len"] == 512 and f"end after {room} tokens" in cut[0]["hint"]
     assert all(meta["n_tokens"] <= room for group in groups for meta, _ in group)
     assert (context_tokens(0, 24), context_tokens(0, 2000), context_tokens(4096, 24)) == (1024, 2512, 4096)
+    assert (context_tokens(0, 2000, 1024), context_tokens(0, 2000, 8192), context_tokens(4096, 24, 1024)) == \
+        (1024, 2512, 4096)  # within the model's context, unless told
+    from rlbus.weights.models import model_context
+
+    assert (model_context(tiny_model), model_context(str(tmp_path))) == (1024, None)  # no config.json there
 
 
 def test_an_episode_whose_conversation_fills_the_engine_ends_there(engine):
