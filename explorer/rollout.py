@@ -149,7 +149,7 @@ class Rollouts:
         task = episodes[0].group.lease["task_id"]
         room = room_after(self.engine, prompt, task)
         if room < self.max_tokens and not self._cut_said:
-            self._cut_said = True  # once: every sample of such a task ends there
+            self._cut_said = True  # once for the tasks rolled out together: every sample of such a task ends there
             log.warning("responses_cut_by_the_context", task_id=task, prompt_tokens=len(prompt),
                         max_tokens=self.max_tokens, max_model_len=self.engine.max_model_len,
                         hint=f"responses to this prompt end after {room} tokens, not rollout.max_tokens: raise "
