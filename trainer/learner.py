@@ -22,7 +22,7 @@ import structlog
 import torch
 
 from rlbus.common import protocol as P
-from rlbus.common.config import RunConfig
+from rlbus.common.config import ConfigError, RunConfig
 from rlbus.common.cores import CoreWait
 from rlbus.trainer import checkpoint, distributed
 from rlbus.trainer.algorithms import LossConfig, lr_factor, policy_loss
@@ -32,6 +32,23 @@ from rlbus.trainer.model import autocast_dtype, frozen_in, load_model, seed_ever
 from rlbus.trainer.packing import packed_token_logprobs, pack, packs
 
 log = structlog.get_logger()
+
+
+def usable_device(name: str) -> torch.device:
+    """`trainer.device` as torch takes it, where this process can compute on it; else ConfigError naming it."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"trainer.device={name!r} is no torch device (cpu, cuda, cuda:1, ...)") from None
+    backend = getattr(torch, device.type, None) if device.type != "cpu" else None
+    if backend is not None and not (hasattr(backend, "is_available") and backend.is_available()):
+        raise ConfigError(f"trainer.device={name!r}: this torch ({torch.__version__}) has no {device.type} device "
+                          f"here; use cpu, or install the GPU build (make ENGINE=gpu)")
+    count = backend.device_count() if backend is not None and hasattr(backend, "device_count") else None
+    if device.index is not None and count is not None and device.index >= count:
+        raise ConfigError(f"trainer.device={name!r}: this host has {count} {device.type} device(s), "
+                          f"numbered from 0")
+    return device
 
 
 class Learner:
@@ -44,7 +61,7 @@ class Learner:
         self.world = world
         self.main = world is None or world.main
         t, a = cfg.trainer, cfg.algorithm
-        self.device = world.device if world else torch.device(t.device)
+        self.device = world.device if world else usable_device(t.device)
         self.autocast = autocast_dtype(t.autocast, self.device)
         # What it resolved to, by name (as trainer.autocast takes it): logged for auto, recorded for replay.
         self.autocast_name = str(self.autocast).removeprefix("torch.") if self.autocast else "off"

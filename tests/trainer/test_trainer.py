@@ -528,3 +528,20 @@ def test_adamw_steps_fused_when_told_and_a_resumed_trainer_takes_its_own_configs
             assert trainer.step == 1 and (group["fused"], group["foreach"]) == kernels[fused]
             trainer.train_on(example(seed=6))  # the state the other kernel left steps on
             assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+
+
+def test_a_trainer_device_this_host_cannot_compute_on_is_a_config_error_naming_it():
+    import torch
+
+    from rlbus.common.config import ConfigError
+    from rlbus.trainer.learner import usable_device
+
+    assert usable_device("cpu") == torch.device("cpu")
+    with pytest.raises(ConfigError, match=r"trainer.device='tpu' is no torch device"):
+        usable_device("tpu")
+    if torch.cuda.is_available():
+        with pytest.raises(ConfigError, match=r"trainer.device='cuda:99': this host has \d+ cuda device"):
+            usable_device("cuda:99")
+    else:
+        with pytest.raises(ConfigError, match=r"trainer.device='cuda': this torch \(.*\) has no cuda device here"):
+            usable_device("cuda")
