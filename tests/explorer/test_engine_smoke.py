@@ -103,3 +103,29 @@ def test_an_episode_whose_conversation_fills_the_engine_ends_there(engine):
     prompt = engine.chat_prompt([{"role": "user", "content": task["prompt"]}])
     for meta, _ in groups[0]:
         assert len(prompt) + meta["n_tokens"] <= 512 + 40  # the last environment answer may pass the engine's room
+
+
+def test_a_model_without_a_chat_template_takes_prompts_as_plain_text_and_refuses_multi_turn_tasks(engine):
+    """A base model has no chat template: the engine gives it each prompt's text as it stands (transformers would
+    raise at the first rollout), and a multi-turn task, whose turns need a template, is refused naming why."""
+    import time
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from rlbus.explorer.envs import make_env
+    from rlbus.explorer.rollout import Rollouts
+    from rlbus.reward.base import resolve
+
+    tok = AutoTokenizer.from_pretrained(engine.tokenizer.name_or_path)
+    tok.chat_template = None
+    base = SimpleNamespace(tokenizer=tok, max_model_len=512, version=0)
+    base.chat_prompt = lambda messages: Engine.chat_prompt(base, messages)
+    question = [{"role": "user", "content": "What is 2 + 3?"}]
+    assert base.chat_prompt(question) == tok.encode("What is 2 + 3?") != engine.chat_prompt(question)
+    rollouts = Rollouts(base, repeat=2, temperature=1.0, top_p=1.0, max_tokens=8, reward_fn=resolve("guess"),
+                        reward_name="guess", explorer="x", make_env=make_env)
+    task = {"prompt": "Guess", "answer": "3", "low": 1, "high": 9, "max_turns": 3, "env": "guess", "task_id": "g"}
+    with pytest.raises(ValueError, match="task g is multi-turn, which puts the environment's words into the "
+                                         "conversation through the model's chat template; this model has none"):
+        rollouts.add([{"lease_id": "l", "task_id": "g", "seq": 0, "batch_index": 0, "task": task}], time.monotonic())
