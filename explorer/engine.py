@@ -139,14 +139,14 @@ class Engine:
         log.info("engine_started", model=model, dtype=dtype, core="inline" if self.inline else "process",
                  threads=threads or None,
                  seconds=round(time.monotonic() - started, 2))
-        if self.tokenizer.chat_template is None:
+        if getattr(self.tokenizer, "chat_template", "") is None:
             log.warning("no_chat_template", model=model, hint="a model without a chat template (a base model): "
                         "each task's prompt goes to it as plain text; multi-turn tasks need a template")
 
     def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of a conversation through the model's chat template, ready for the reply; for a model without
         one (a base model), its messages' text as it stands, one after the other."""
-        if self.tokenizer.chat_template is None:
+        if getattr(self.tokenizer, "chat_template", "") is None:
             return list(self.tokenizer.encode("\n\n".join(m["content"] for m in messages)))
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding

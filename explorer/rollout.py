@@ -137,7 +137,7 @@ class Rollouts:
             if "env" in lease["task"]:
                 if self.make_env is None:
                     raise ValueError(f"task {lease['task_id']} has an environment and this workflow none")
-                if self.engine.tokenizer.chat_template is None:
+                if getattr(self.engine.tokenizer, "chat_template", "") is None:
                     raise ValueError(f"task {lease['task_id']} is multi-turn, which puts the environment's words "
                                      f"into the conversation through the model's chat template; this model has none")
                 group.episodes = [_Episode(group, i, self.make_env(lease["task"]), list(messages))

@@ -5,9 +5,9 @@ that are missing, not one-dimensional or of the wrong kind (token ids that are
 not integers, logprobs that are not floats), NaN or infinite logprobs,
 logprobs above zero, a loss mask with values other than 0 and 1, token ids
 outside the vocabulary, empty responses and arrays of mismatched lengths are
-rejected with a logged reason (the rest of the batch trains). Advantages are computed per group over
-the samples that passed; groups whose rewards are all equal are dropped when
-the estimator is group-relative.
+rejected with a logged reason (the rest of the batch trains). Advantages are
+computed per group over the samples that passed; groups whose rewards are all
+equal are dropped when the estimator is group-relative.
 """
 
 from __future__ import annotations
