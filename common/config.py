@@ -118,13 +118,12 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _can_learn(self) -> "RunConfig":
-        advantage = self.algorithm.advantage
-        if self.rollout.repeat < 2 and advantage != "reinforce_pp":
-            raise ValueError(f"algorithm.advantage={advantage} compares the samples of a task with each other, and "
+        a = self.algorithm
+        if self.rollout.repeat < 2 and a.advantage != "reinforce_pp":
+            raise ValueError(f"algorithm.advantage={a.advantage} compares the samples of a task with each other, and "
                              f"rollout.repeat={self.rollout.repeat} gives each task one: every advantage would be 0 "
                              f"and nothing would be learned; set rollout.repeat >= 2 (8 by default), or "
                              f"algorithm.advantage=reinforce_pp, which needs no groups")
-        a = self.algorithm
         if a.is_mode == "mask" and not a.is_low <= 1 <= a.is_high:
             raise ValueError(f"algorithm.is_mode=mask keeps the tokens whose importance weight lies in [is_low, "
                              f"is_high] = [{a.is_low}, {a.is_high}], which leaves out 1, the weight of a token the "

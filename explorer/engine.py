@@ -67,6 +67,12 @@ class Completion:
     versions: list[tuple[int, int]]  # (first token index, policy version) for each run of tokens one version sampled
 
 
+def without_chat_template(tokenizer) -> bool:
+    """A base model's tokenizer: its template is None. One with no such attribute (a wrapper that templates by
+    itself) has one."""
+    return getattr(tokenizer, "chat_template", "") is None
+
+
 class Engine:
     # Its reload may wait for a fetch that is still arriving (weights/stream.py): between batches nothing waits
     # on the engine. A streaming explorer reloads through its swap slot, which does not say so.
@@ -139,14 +145,14 @@ class Engine:
         log.info("engine_started", model=model, dtype=dtype, core="inline" if self.inline else "process",
                  threads=threads or None,
                  seconds=round(time.monotonic() - started, 2))
-        if getattr(self.tokenizer, "chat_template", "") is None:
+        if without_chat_template(self.tokenizer):
             log.warning("no_chat_template", model=model, hint="a model without a chat template (a base model): "
                         "each task's prompt goes to it as plain text; multi-turn tasks need a template")
 
     def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of a conversation through the model's chat template, ready for the reply; for a model without
         one (a base model), its messages' text as it stands, one after the other."""
-        if getattr(self.tokenizer, "chat_template", "") is None:
+        if without_chat_template(self.tokenizer):
             return list(self.tokenizer.encode("\n\n".join(m["content"] for m in messages)))
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding

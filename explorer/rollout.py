@@ -26,6 +26,7 @@ import structlog
 
 from rlbus.common.messages import Trajectory
 from rlbus.common.trajectory import encode_payload
+from rlbus.explorer.engine import without_chat_template
 from rlbus.reward.base import Response, evaluate
 
 log = structlog.get_logger()
@@ -137,7 +138,7 @@ class Rollouts:
             if "env" in lease["task"]:
                 if self.make_env is None:
                     raise ValueError(f"task {lease['task_id']} has an environment and this workflow none")
-                if getattr(self.engine.tokenizer, "chat_template", "") is None:
+                if without_chat_template(self.engine.tokenizer):
                     raise ValueError(f"task {lease['task_id']} is multi-turn, which puts the environment's words "
                                      f"into the conversation through the model's chat template; this model has none")
                 group.episodes = [_Episode(group, i, self.make_env(lease["task"]), list(messages))
@@ -216,7 +217,10 @@ class Rollouts:
 def context_tokens(max_model_len: int, max_tokens: int, model_context: int | None = None) -> int:
     """The engine's max_model_len: `explorer.max_model_len`, else (0) room for `rollout.max_tokens` after a prompt
     of 512 tokens, and never less than 1024, nor more than the model's own context (`model_context`)."""
-    return max_model_len or min(max(1024, max_tokens + 512), model_context or 1 << 62)
+    if max_model_len:
+        return max_model_len
+    wanted = max(1024, max_tokens + 512)
+    return min(wanted, model_context) if model_context else wanted
 
 
 class PromptTooLong(ValueError):
