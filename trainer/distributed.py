@@ -147,8 +147,9 @@ def _comm_device(world: World) -> torch.device:
 
 @dataclass
 class Plan:
-    """One instruction from rank 0: `train` a BATCH (its frames) then maybe publish and checkpoint, `wait`
-    (rank 0 is still waiting on the broker; keeps the others' collective from timing out), or `stop`."""
+    """One instruction from rank 0: `train` a BATCH (its frames) then maybe publish and checkpoint, `finish` (the
+    taskset ran out: publish and checkpoint the last step trained, as flagged), `wait` (rank 0 is still waiting on
+    the broker; keeps the others' collective from timing out), or `stop`."""
 
     op: str
     step: int = 0

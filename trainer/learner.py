@@ -240,10 +240,11 @@ class Learner:
                 self.scheduler.step()
         return batch, metrics
 
-    def save(self) -> None:
-        keep = self.cfg.trainer.keep_checkpoints
+    def save(self, step: int | None = None) -> None:
+        """A checkpoint of the current state, after step `step` (the current one by default)."""
+        step, keep = self.step if step is None else step, self.cfg.trainer.keep_checkpoints
         if self.world is None:
-            checkpoint.save(self.ckpt_dir, self.step, self.version, self.model, self.optimizer, self.scheduler, keep)
+            checkpoint.save(self.ckpt_dir, step, self.version, self.model, self.optimizer, self.scheduler, keep)
         else:
-            checkpoint.save_sharded(self.ckpt_dir, self.step, self.version, self.model, self.optimizer,
+            checkpoint.save_sharded(self.ckpt_dir, step, self.version, self.model, self.optimizer,
                                     self.scheduler, self.world, keep)

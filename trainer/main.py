@@ -12,10 +12,12 @@ Step t (0-based) trains the policy of version t and produces version t + 1:
    over micro-batches with gradient accumulation. A batch with nothing left
    to train on still counts as the step (no update), so lockstep explorers
    are never left waiting.
-3. Every `sync_interval` steps publish the weights (a sender of rlbus.weights.sync).
+3. Every `sync_interval` steps, and at the run's last step, publish the
+   weights (a sender of rlbus.weights.sync).
 4. Every `checkpoint_every` steps, and at the run's last step, save a
    training checkpoint and COMMIT the steps it covers; a restarted trainer resumes from it and the broker
-   re-delivers the batches it had not committed.
+   re-delivers the batches it had not committed. A run whose taskset runs out
+   before `total_steps` ends with its last step trained published and saved.
 
 One `train_step` log line per step carries the canonical metrics.
 
@@ -33,7 +35,6 @@ import contextvars
 import math
 import signal
 import time
-from collections import Counter
 from concurrent.futures import CancelledError, ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
@@ -45,9 +46,9 @@ from rlbus.common import protocol as P
 from rlbus.common.client import BrokerClient, BrokerError, BrokerUnreachable, NoWelcome, StoppedBeforeWelcome
 from rlbus.common.config import ConfigError, RunConfig
 from rlbus.common import metrics as metrics_sink, telemetry
-from rlbus.common.logging import bind, significant
+from rlbus.common.logging import bind
 from rlbus.common.processes import freeze_heap, on_stop_signals
-from rlbus.trainer import checkpoint, distributed
+from rlbus.trainer import checkpoint, distributed, report
 from rlbus.trainer.distributed import Plan, World
 from rlbus.trainer.learner import Learner
 from rlbus.weights.models import with_rollout_dtype
@@ -72,6 +73,7 @@ class Trainer(Learner):
         # How a sharded trainer publishes: its shards copied, then gathered on every rank's publishing thread.
         self.gathered = distributed.Gathered(self.policy, world, getattr(torch, cfg.rollout.dtype)) if world else None
         self._stop = self.exhausted = False
+        self.loose = (-1, False, False)  # the last step trained: (step, version not published, not saved)
         self.client: BrokerClient | None = None
         self.broker_version = 0  # the version the broker announced when this trainer joined
         # One thread: weights are written and PUBLISHed in version order while training goes on.
@@ -129,9 +131,10 @@ class Trainer(Learner):
         if reply is None:
             return False
         self.version = self.step + 1
-        published = self._publish_due()
+        last = self.version == self.cfg.trainer.total_steps
+        published = self._publish_due(last)
         every = self.cfg.trainer.checkpoint_every
-        saves = every > 0 and ((self.step + 1) % every == 0 or self.step + 1 == self.cfg.trainer.total_steps)
+        saves = every > 0 and (self.version % every == 0 or last)
         if self.world is not None:  # the other ranks train on the same batch: a copy of its frames goes to them
             self._tell(Plan("train", self.step, published, saves, [bytes(f) for f in P.encode(
                 reply.command, reply.header, reply.payloads)]))
@@ -140,15 +143,11 @@ class Trainer(Learner):
         # read here, not at the step's line, whose time marks the step's end (rlbus trace): a read takes ~1 ms
         compute_s, core_wait = time.monotonic() - compute_started, self.core_wait.measure()
         publish_started = time.monotonic()
-        if published:
-            self._publish_async(self.version, self.step)
-        if saves:
-            self.save()
-        if every == 0 or saves:  # a step is committed once a checkpoint covers it
-            self._request(P.COMMIT, {"step": self.step})
-        publish_s = time.monotonic() - publish_started
-        total_s = time.monotonic() - step_started
-        self._log_step(reply, batch, metrics, wait_s, compute_s, publish_s, total_s, published, core_wait)
+        self._conclude(self.step, published, saves)
+        self.loose = (self.step, not published, every > 0 and not saves)
+        report.train_step(self.step, self.version, self.cfg.rollout.repeat, reply.header, batch, metrics,
+                          wait_s=wait_s, compute_s=compute_s, publish_s=time.monotonic() - publish_started,
+                          step_s=time.monotonic() - step_started, published=published, core_wait=core_wait)
         self.step += 1
         self.client.policy_version = self.version  # the weights it holds, as its HEARTBEATs (and STATUS) say
         bind(step=self.step, policy_version=self.version)
@@ -174,8 +173,27 @@ class Trainer(Learner):
                 if training_thread:
                     self._tell(Plan("wait"))
 
-    def _publish_due(self) -> bool:
-        if self.version % self.cfg.sync.sync_interval != 0:
+    def _conclude(self, step: int, publish: bool, save: bool) -> None:
+        """After a step: publish its version, save a checkpoint; rank 0 then COMMITs what a checkpoint covers."""
+        if publish:
+            self._publish_async(self.version, step)
+        if save:
+            self.save(step)
+        if self.main and (save or self.cfg.trainer.checkpoint_every == 0):
+            self._request(P.COMMIT, {"step": step})
+
+    def finish(self) -> None:
+        """The taskset ran out before `total_steps`: the last step trained is published, saved and committed, as a
+        run's last step is."""
+        step, publish, save = self.loose
+        publish = publish and self._publish_due(final=True)
+        if step >= 0 and (publish or save):
+            self._tell(Plan("finish", step, publish, save))
+            self._conclude(step, publish, save)
+
+    def _publish_due(self, final: bool = False) -> bool:
+        """Every `sync_interval` steps, and the run's last step."""
+        if self.version % self.cfg.sync.sync_interval != 0 and not final:
             return False
         if self.version <= self.broker_version:
             # Resumed from a checkpoint older than what the broker already announced: explorers hold
@@ -247,38 +265,12 @@ class Trainer(Learner):
         if plan.op == "stop":
             return False
         self.step, self.version = plan.step, plan.step + 1
-        self.train_reply(plan.reply())
-        if plan.publish:
-            self._publish_async(self.version, self.step)
-        if plan.checkpoint:
-            self.save()
+        if plan.op == "train":
+            self.train_reply(plan.reply())
+        self._conclude(plan.step, plan.publish, plan.checkpoint)
         self.step += 1
         bind(step=self.step, policy_version=self.version)
         return True
-
-    def _log_step(self, reply, batch, metrics, wait_s, compute_s, publish_s, total_s, published, core_wait) -> None:
-        rewards = batch.rewards if batch is not None else torch.empty(0)
-        staleness = Counter(self.step - v for v in (batch.versions if batch is not None else []))
-        adv = batch.advantages if batch is not None and batch.size else torch.zeros(1)
-        tokens = batch.tokens if batch is not None and batch.size else 0
-        repeat = max(1, self.cfg.rollout.repeat)
-        have = batch is not None
-        metrics_sink.emit(
-            "train_step", step=self.step, policy_version=self.step, new_version=self.version,
-            groups=batch.groups if have else 0,
-            groups_dropped=(batch.dropped_groups if have else 0) + reply.header.get("skipped", 0) // repeat,
-            groups_expired=reply.header.get("expired", 0) // repeat,
-            samples=batch.size if have else 0, rejected=batch.rejected if have else {},
-            reward_mean=round(float(rewards.mean()), 4) if rewards.numel() else None,
-            reward_std=round(float(rewards.std()), 4) if rewards.numel() > 1 else None,
-            adv_mean=round(float(adv.mean()), 4), adv_std=round(float(adv.std()), 4) if adv.numel() > 1 else 0.0,
-            adv_abs_max=round(float(adv.abs().max()), 4),
-            **{k: significant(v) for k, v in metrics.items()},
-            staleness={str(k): v for k, v in sorted(staleness.items())},
-            version_span=batch.version_span if have else [], swapped=batch.swapped if have else 0, tokens=tokens,
-            tokens_per_s=round(tokens / compute_s, 1) if compute_s > 0 else 0.0,
-            wait_s=round(wait_s, 3), compute_s=round(compute_s, 3), publish_s=round(publish_s, 3),
-            step_s=round(total_s, 3), published=published, core_wait=core_wait)
 
     # ---- the process ------------------------------------------------------
 
@@ -350,6 +342,8 @@ class Trainer(Learner):
                 if not self.run_step():
                     break
                 done += 1
+            if self.exhausted:
+                self.finish()
             self._tell(Plan("stop"))  # not after an error: the other ranks may be inside another collective
         except BrokerUnreachable as exc:
             self._stopped_without_broker(exc)

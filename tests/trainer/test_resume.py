@@ -106,12 +106,15 @@ def test_sigkill_and_resume_gives_the_weights_of_an_uninterrupted_run(broker_fac
 
 
 def test_a_finished_run_checkpoints_and_commits_its_last_step(broker_factory, clients, tiny_model, tmp_path):
-    """Three steps, a checkpoint every two: the last step (2) is saved and COMMITted as the run ends, so a finished
-    run's final state (optimizer and all) is on disk, and a trainer started on it again trains nothing."""
+    """Three steps, a checkpoint and a version every two: the last step (2) is saved, COMMITted and its version (3)
+    published as the run ends, so a finished run's final state (optimizer and all) is on disk, its final weights
+    are where explorers and evaluations find them, and a trainer started on it again trains nothing."""
     b = broker_factory("sync.sync_style=async", "sync.max_staleness=100", "rollout.repeat=4", "data.batch_tasks=2")
     feed(b, clients, steps=3)
     log_path = tmp_path / "t.jsonl"
-    assert start_trainer(b, tmp_path / "run", tiny_model, log_path, 3).wait(300) == 0
+    assert start_trainer(b, tmp_path / "run", tiny_model, log_path, 3, 2, "sync.sync_interval=2").wait(300) == 0
+    assert [e["policy_version"] for e in events(log_path, "weights_published")] == [2, 3]
+    assert (tmp_path / "run" / "weights" / "v3" / "model.safetensors").exists()
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step_00000001",
                                                                                     "step_00000002"]
     db = sqlite3.connect(b.data_dir / "buffer.sqlite3")

@@ -15,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rlbus.common import protocol as P
 from rlbus.logview import events
 from tests.conftest import free_port, reap
 from tests.helpers.weights import assert_same_weights
@@ -133,3 +134,27 @@ def test_a_rank_killed_mid_run_stops_the_trainer_naming_it_and_a_restart_resumes
     assert sorted(set(steps_logged(log))) == list(range(6)), "every step trained"
     groups = [g for gs in delivered(b).values() for g in gs]
     assert len(groups) == len(set(groups)) == 12, "each group in exactly one step"
+
+
+def test_two_ranks_whose_taskset_runs_out_publish_and_save_the_last_step_trained(broker_factory, clients,
+                                                                                  tiny_model, tmp_path):
+    """Two tasks and total_steps 5: step 0 is the run's last. Rank 0 tells the other rank to publish it (a version
+    gathered from both ranks' shards, though `sync_interval` is 2) and save its shards (though `checkpoint_every`
+    is 4), and both ranks end."""
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text('{"prompt": "1 + 1", "answer": "2"}\n{"prompt": "2 + 2", "answer": "4"}\n')
+    finite = (*SETS, "sync.max_staleness=4", "data.taskset=file", f"data.path={tasks}")
+    b = broker_factory(*finite)
+    ex = clients(b, "explorer", "feeder")
+    for lease in ex.request(P.LEASE, {"max_tasks": 2, "policy_version": 0}).header["tasks"]:
+        ex.put(synthetic(lease["lease_id"]), timeout=10)
+    log = tmp_path / "trainer.jsonl"
+    train(b, tmp_path / "run", tiny_model, log, 2, 5, 4, *finite, "sync.sync_interval=2")
+    assert [e["step"] for e in events(log, "taskset_exhausted")] == [1]
+    assert steps_logged(log) == [0]
+    assert [e["policy_version"] for e in events(log, "weights_published")] == [1]
+    assert load_file(tmp_path / "run" / "weights" / "v1" / "model.safetensors").keys() == \
+        load_file(os.path.join(tiny_model, "model.safetensors")).keys(), "the whole model, gathered"
+    shards = tmp_path / "run" / "checkpoints" / "step_00000000"
+    assert (shards / "meta.pt").exists() and len(list((shards / "shards").glob("*.distcp"))) == 2
+    assert [e["world_size"] for e in events(log, "trainer_ranks_done")] == [2]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sqlite3
 import time
 import zlib
 from contextlib import closing
@@ -385,7 +386,8 @@ def test_dr_grpo_aggregation_divides_each_sequences_token_sum_by_the_runs_max_to
 def test_a_trainer_whose_taskset_runs_out_before_its_last_step_ends_the_run(broker_factory, clients, tiny_model,
                                                                              tmp_path):
     """Two tasks, batches of two, total_steps 5: the trainer trains step 0, is told the taskset is exhausted, and
-    ends the run (BYE `finished`) instead of waiting for ever for step 1's batch."""
+    ends the run (BYE `finished`) instead of waiting for ever for step 1's batch. Step 0 is the run's last: its
+    version is published though `sync_interval` is 2, and it is saved and COMMITted though `checkpoint_every` is 4."""
     from rlbus.trainer.main import Trainer
 
     path = tmp_path / "tasks.jsonl"
@@ -395,12 +397,18 @@ def test_a_trainer_whose_taskset_runs_out_before_its_last_step_ends_the_run(brok
     ex = clients(b, "explorer", "feeder")
     for lease in ex.request(P.LEASE, {"max_tasks": 2, "policy_version": 0}).header["tasks"]:
         ex.put(synthetic(lease["lease_id"]), timeout=10)
-    cfg = trainer_config(b, tmp_path, *finite, "trainer.total_steps=5", "trainer.fetch_wait_s=30")
+    cfg = trainer_config(b, tmp_path, *finite, "trainer.total_steps=5", "trainer.fetch_wait_s=30",
+                         "trainer.checkpoint_every=4", "sync.sync_interval=2")
     with closing(Trainer(cfg, tiny_model)) as trainer, capture_logs() as logs:
         started = time.monotonic()
         assert trainer.run() == 1
     assert time.monotonic() - started < 25, "told at once, not after its 30 s wait"
     assert [e["step"] for e in logs if e["event"] == "taskset_exhausted"] == [1]
+    assert [e["policy_version"] for e in logs if e["event"] == "weights_published"] == [1]
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step_00000000"]
+    db = sqlite3.connect(b.data_dir / "buffer.sqlite3")
+    assert list(db.execute("SELECT step, committed FROM batches")) == [(0, 1)]
+    db.close()
     assert [e["event"] for e in b.log_events() if e["event"] == "run_finished"] == ["run_finished"]
     done = ex.request(P.LEASE, {"max_tasks": 1, "policy_version": 0})
     assert (done.command, done.header["reason"]) == (P.DONE, "finished")
