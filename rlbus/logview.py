@@ -37,14 +37,15 @@ class Filter:
         except re.error as exc:
             raise ValueError(f"--grep {self.grep!r} is not a regular expression: {exc}") from None
 
-    def keep(self, event: dict, raw: str) -> bool:
+    def keep(self, event: dict, raw: str, ts: float) -> bool:
+        """`ts`: the event's time, or for a line without one the time of the line before it."""
         if self.components and event.get("component") not in self.components:
             return False
         if self.peer and event.get("peer") != self.peer:
             return False
         if LEVELS.get(event.get("level", "info"), 20) < LEVELS[self.level]:
             return False
-        if event.get("ts", 0) < self.since:
+        if ts < self.since:
             return False
         return not self._grep or bool(self._grep.search(raw))
 
@@ -61,11 +62,12 @@ def parse_since(text: str, now: float | None = None) -> float:
         raise ValueError(f"--since {text!r}: use a duration like 15m or 2h, or an ISO time") from None
 
 
-def _events(path: Path, start: int = 0) -> Iterator[tuple[float, dict, str, int]]:
-    """(ts, event, raw line, offset after it) for every complete JSON line from byte `start`."""
+def _events(path: Path, start: int = 0, ts: float = 0.0) -> Iterator[tuple[float, dict, str, int]]:
+    """(ts, event, raw line, offset after it) for every complete line from byte `start` (`ts`: the time of the
+    line before it)."""
     with open(path, "rb") as f:
         f.seek(start)
-        yield from _events_in(f, path.stem, offset=start)
+        yield from _events_in(f, path.stem, offset=start, ts=ts)
 
 
 def events(path: str | Path, name: str | None = None) -> list[dict]:
@@ -109,28 +111,34 @@ def last_event(path: str | Path, name: str | None = None, field: str | None = No
     return None
 
 
-def _events_in(lines: Iterable[bytes], stem: str, needle: bytes = b"", offset: int = 0
+def _events_in(lines: Iterable[bytes], stem: str, needle: bytes = b"", offset: int = 0, ts: float = 0.0
                ) -> Iterator[tuple[float, dict, str, int]]:
-    """(ts, event, line, offset after it) for every complete JSON line; lines without `needle` are skipped
-    unparsed (a cheap pre-filter for readers after one event name)."""
+    """(ts, event, line, offset after it) for every complete line; lines without `needle` are skipped unparsed
+    (a cheap pre-filter for readers after one event name). A last line without its newline is complete when it
+    is a whole event (the writer stopped before the newline); otherwise it is still being written, and is read
+    next time. A line that is no event, or an event without `ts`, takes the time of the line before it: it
+    stays where it was written when logs are merged and filtered by time."""
     for raw in lines:
-        if not raw.endswith(b"\n"):
-            break  # a line still being written: read it next time
-        offset += len(raw)
-        if needle and needle not in raw:
+        complete = raw.endswith(b"\n")
+        if complete and needle and needle not in raw:
+            offset += len(raw)
             continue
         line = raw.decode("utf-8", "replace").strip()
-        if not line:
-            continue
         try:
-            event = json.loads(line)
+            event = json.loads(line) if line else None
         except (json.JSONDecodeError, RecursionError):
             event = None
+        if not complete and not _is_event(event):
+            break
+        offset += len(raw)
+        if not line or needle and needle not in raw:
+            continue
         if not _is_event(event):
-            event = {"event": "unparsed_line", "text": line[:500]}
+            event = {"event": "unparsed_line", "ts": ts, "text": line[:500]}
+        ts = float(event.get("ts", ts))
         if stem:
             event.setdefault("component", stem)
-        yield float(event.get("ts", 0.0)), event, line, offset
+        yield ts, event, line, offset
 
 
 def _is_event(event) -> bool:
@@ -146,7 +154,7 @@ def _is_event(event) -> bool:
 
 
 def format_event(event: dict) -> str:
-    ts = datetime.fromtimestamp(float(event.get("ts", 0))).strftime("%H:%M:%S.%f")[:-3]
+    ts = datetime.fromtimestamp(float(event["ts"])).strftime("%H:%M:%S.%f")[:-3] if "ts" in event else " " * 12
     who = (event.get("component") or "?") + (f"/{event['peer']}" if event.get("peer") else "")
     fields = " ".join(f"{k}={json.dumps(v) if isinstance(v, (dict, list)) else v}"
                       for k, v in event.items() if k not in _FIXED)
@@ -167,15 +175,15 @@ def show(run_dir: str | Path, flt: Filter, as_json: bool = False, follow: bool =
     logs = Path(run_dir) / "logs"
     if not logs.is_dir():
         raise FileNotFoundError(f"{logs} does not exist: give a run directory (one `rlbus up` made)")
-    offsets: dict[Path, int] = {}
+    offsets: dict[Path, tuple[int, float]] = {}  # where a log was read to, and the time of its last line
     streams = []
     for path in sorted(logs.glob("*.jsonl")):
         events = list(_events(path))
-        offsets[path] = events[-1][3] if events else 0
+        offsets[path] = (events[-1][3], events[-1][0]) if events else (0, 0.0)
         streams.append([(ts, i, path.stem, ev, raw) for i, (ts, ev, raw, _) in enumerate(events)])
     shown = 0
-    for _, _, _, event, raw in heapq.merge(*streams, key=lambda e: (e[0], e[2], e[1])):
-        if flt.keep(event, raw):
+    for ts, _, _, event, raw in heapq.merge(*streams, key=lambda e: (e[0], e[2], e[1])):
+        if flt.keep(event, raw, ts):
             _emit(out, event, as_json)
             shown += 1
     out.flush()
@@ -183,11 +191,11 @@ def show(run_dir: str | Path, flt: Filter, as_json: bool = False, follow: bool =
         time.sleep(poll_s)
         fresh: list[tuple[float, dict, str]] = []
         for path in sorted(logs.glob("*.jsonl")):
-            for ts, event, raw, offset in _events(path, offsets.get(path, 0)):
+            for ts, event, raw, offset in _events(path, *offsets.get(path, (0, 0.0))):
                 fresh.append((ts, event, raw))
-                offsets[path] = offset
-        for _, event, raw in sorted(fresh, key=lambda e: e[0]):
-            if flt.keep(event, raw):
+                offsets[path] = (offset, ts)
+        for ts, event, raw in sorted(fresh, key=lambda e: e[0]):
+            if flt.keep(event, raw, ts):
                 _emit(out, event, as_json)
                 shown += 1
         out.flush()

@@ -83,6 +83,8 @@ def test_follow_prints_what_components_append(run_dir, started):
         got = [json.loads(proc.stdout.readline()) for _ in range(2)]
         assert [(e["event"], e["component"]) for e in got] == [("train_step", "trainer"),
                                                               ("explorer_connected", "explorer-1")]
+        (run_dir / "logs" / "explorer-0.jsonl").open("a").write('ne", "level": "info"}\n')  # the half line ends
+        assert json.loads(proc.stdout.readline())["event"] == "half a line"
     finally:
         os.kill(proc.pid, signal.SIGINT)
         assert proc.wait(10) == 0
@@ -129,18 +131,18 @@ def test_captured_output_is_read_by_the_same_reader():
 
 def test_lines_that_are_not_rlbus_events_are_shown_unparsed_and_never_break_a_tool(run_dir):
     """A log damaged by hand or by a disk (text, other JSON, a `ts` that is not a time, a level that is not a
-    string, bytes that are not UTF-8, JSON nested past the parser) is shown line by line as `unparsed_line`;
-    `rlbus logs`, `--since` and the tools that read every event go on."""
+    string, bytes that are not UTF-8, JSON nested past the parser) is shown line by line as `unparsed_line`, at
+    the time of the line before it; `rlbus logs`, `--since` and the tools that read every event go on."""
     import io
 
     bad = ['not json', '{"event": "x", "ts": "soon"}', '{"ts": 1e300, "event": "far"}', '{"ts": true}',
            '{"level": ["x"], "ts": 3}', '{"component": 5, "ts": 4}', '[1, 2]', '\x00\udcff', '[' * 100_000]
     with open(run_dir / "logs" / "trainer.jsonl", "a", encoding="utf-8", errors="surrogateescape") as f:
         f.write("".join(line + "\n" for line in bad))
-    for flt in (Filter(), Filter(since=3.5)):
+    for flt in (Filter(), Filter(since=3.5), Filter(since=5.5)):
         buf = io.StringIO()
         show(run_dir, flt, out=buf)
-        assert buf.getvalue().count("unparsed_line") == (len(bad) if not flt.since else 0)
+        assert buf.getvalue().count("unparsed_line") == (len(bad) if flt.since < 5 else 0)
     assert [e["ts"] for e in read_events(run_dir)] == [1.0, 2.0, 3.0, 4.0, 5.0]
 
 
@@ -179,3 +181,36 @@ def test_a_peer_without_a_name_logs_events_like_any_other(run_dir):
 def test_a_grep_that_is_not_a_regular_expression_is_a_clear_error():
     with pytest.raises(ValueError, match=r"--grep '\(' is not a regular expression: missing \)"):
         Filter(grep="(")
+
+
+def test_a_line_that_is_no_event_stays_where_it_was_written(run_dir):
+    """A traceback's line in a component's log is merged and filtered at the time of the line before it, not at
+    the epoch: it follows the event it came after, and `--since` keeps it with that event."""
+    import io
+
+    (run_dir / "logs" / "broker.jsonl").open("a").write("Traceback (most recent call last):\n")
+    for flt, want in ((Filter(), ["broker_ready", "train_step", "explorer_batch", "bad_message", "unparsed_line",
+                                  "boom"]),
+                      (Filter(since=3.5), ["bad_message", "unparsed_line", "boom"])):
+        buf = io.StringIO()
+        show(run_dir, flt, as_json=True, out=buf)
+        assert [json.loads(line)["event"] for line in buf.getvalue().splitlines()] == want
+    buf = io.StringIO()
+    show(run_dir, Filter(components=("broker",)), out=buf)
+    warning, traceback = buf.getvalue().splitlines()[-2:]
+    assert traceback[:12] == warning[:12] and "unparsed_line text=Traceback" in traceback
+
+
+def test_a_last_line_without_its_newline_is_read_when_it_is_a_whole_event(run_dir):
+    """A component stopped between an event and its newline: the event is read (by `rlbus logs` and every tool);
+    a line cut short is still left for the next read."""
+    import io
+
+    (run_dir / "logs" / "trainer.jsonl").open("a").write('{"ts": 6.0, "level": "error", "event": "last_words"}')
+    from rlbus.logview import events
+
+    assert [e["event"] for e in events(run_dir / "logs" / "trainer.jsonl")][-1] == "last_words"
+    buf = io.StringIO()
+    show(run_dir, Filter(level="error"), as_json=True, out=buf)
+    assert [json.loads(line)["event"] for line in buf.getvalue().splitlines()] == ["boom", "last_words"]
+    assert "half a li" not in buf.getvalue()
