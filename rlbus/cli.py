@@ -199,7 +199,7 @@ def status(config: ConfigArg = None, set: SetOpt = None,
     from rlbus.common.client import BrokerClient
     from rlbus.common.logging import setup_logging
 
-    setup_logging("status", "warning", "console", stream=sys.stderr)
+    setup_logging("status", "error", "console", stream=sys.stderr)  # its error line says what the client saw
     client = BrokerClient(cfg.broker.address, "tool", curve_server_key=cfg.broker.curve_server_key,
                           curve_client_key=cfg.broker.curve_client_key)
     try:

@@ -48,3 +48,16 @@ def test_rlbus_model_tiny_says_what_it_cannot_make_in_one_line(tmp_path):
                               text=True, timeout=120)
         assert done.returncode == 2 and done.stderr.startswith("error: ") and said in done.stderr, done.stderr
         assert len(done.stderr.splitlines()) == 1, done.stderr
+
+
+def test_rlbus_status_without_a_broker_says_so_in_one_line():
+    """The client's own `broker_unreachable` warning (at 5 s of silence) came beside the error line."""
+    import subprocess
+    import sys
+
+    from tests.conftest import free_port
+
+    done = subprocess.run([sys.executable, "-m", "rlbus.cli", "status", "--broker", f"tcp://127.0.0.1:{free_port()}",
+                           "--timeout", "6"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and done.stderr.startswith("error: no WELCOME from the broker"), done.stderr
+    assert len(done.stderr.splitlines()) == 1, done.stderr
