@@ -3,13 +3,16 @@
 Each test runs `python -I` in a fresh private directory with, in this order
 (in the child, before exec):
 
-1. a new network namespace (only a down loopback inside: no network);
-2. when started as root, the user `nobody` (root ignores the process limit);
-3. resource limits: CPU seconds, address space, file size (which also caps
+1. a new PID namespace, which ends with the program: the kernel then ends
+   every process the program started, those that left its process group too
+   (the child forks into it, twice: its first process only waits);
+2. a new network namespace (only a down loopback inside: no network);
+3. when started as root, the user `nobody` (root ignores the process limit);
+4. resource limits: CPU seconds, address space, file size (which also caps
    stdout and stderr, written to files), processes, open files, no core;
-4. Landlock: writes are allowed only beneath the private directory (reads
+5. Landlock: writes are allowed only beneath the private directory (reads
    are not restricted, Python needs its stdlib);
-5. seccomp: no signals to any other process (kill, tkill, tgkill,
+6. seccomp: no signals to any other process (kill, tkill, tgkill,
    rt_sigqueueinfo, rt_tgsigqueueinfo, pidfd_send_signal fail with EPERM) and
    no ptrace or process_vm_writev, so code running as the reward process's
    own user (a host where it is not root) cannot stop or alter it;
@@ -34,6 +37,7 @@ import ctypes
 import os
 import pwd
 import resource
+import select
 import shutil
 import signal
 import subprocess
@@ -50,7 +54,8 @@ import structlog
 log = structlog.get_logger()
 
 _libc = ctypes.CDLL(None, use_errno=True)
-CLONE_NEWNET = 0x40000000
+CLONE_NEWNET, CLONE_NEWPID = 0x40000000, 0x20000000
+PR_SET_PDEATHSIG = 1
 PR_SET_NO_NEW_PRIVS = 38
 PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
 SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO = 0x7FFF0000, 0x00050000
@@ -145,15 +150,64 @@ def _landlock_abi() -> int:
 @lru_cache(maxsize=1)
 def capabilities() -> dict[str, bool]:
     """Which isolation layers this host allows (probed once, in a throwaway child)."""
-    probe = subprocess.run([sys.executable, "-c", "import ctypes,sys;"
-                            "sys.exit(0 if ctypes.CDLL(None).unshare(0x40000000) == 0 else 1)"],
+    probe = subprocess.run([sys.executable, "-c", "import ctypes,sys; u = ctypes.CDLL(None).unshare;"
+                            f"sys.exit((u({CLONE_NEWNET}) != 0) | (u({CLONE_NEWPID}) != 0) << 1)"],
                            capture_output=True)
-    return {"network_namespace": probe.returncode == 0, "landlock": _landlock_abi() > 0,
+    failed = probe.returncode if 0 <= probe.returncode < 4 else 3
+    return {"pid_namespace": not failed & 2, "network_namespace": not failed & 1, "landlock": _landlock_abi() > 0,
             "drop_to_nobody": os.geteuid() == 0, "no_signals": _SECCOMP is not None}
+
+
+def _into_own_pid_namespace() -> None:
+    """Fork twice into a new PID namespace: its first process (`init`) only waits, and the program is an ordinary
+    process beneath it. Once the program ends, init ends and with it the namespace: the kernel kills every
+    process left in it (a child that called setsid and slept would otherwise outlive the run, holding one of
+    `nobody`'s processes). The process outside waits for init and ends as the program did (its status passed on
+    a pipe); the parent's `wait4` counts the CPU time of all three."""
+    if _libc.unshare(CLONE_NEWPID) != 0:
+        os._exit(95)
+    said, say = os.pipe()
+    init = os.fork()
+    if init:  # outside the namespace
+        status = _wait_for(init, keep=said)
+        told = os.read(said, 16)
+        _end_as(int(told) if told else status)
+    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # killed outside (the wall clock): the namespace ends
+    program = os.fork()
+    if program:  # init: reaps every orphan of the program's until the program itself ends
+        os.write(say, str(_wait_for(program, keep=say)).encode())
+        os._exit(0)
+
+
+def _wait_for(pid: int, keep: int) -> int:
+    """In a process that only waits: the wait status of its child `pid`, reaping any other child on the way.
+    Every inherited descriptor but `keep` is closed first, Popen's pipe for exec errors among them: the parent
+    reads that pipe to its end to learn that the program started, and must not wait for this process instead."""
+    os.closerange(3, keep)
+    os.closerange(keep + 1, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    while True:
+        done, status = os.wait()
+        if done == pid:
+            return status
+
+
+def _end_as(status: int) -> None:
+    """End this process with the wait status `status`: the same exit code, or killed by the same signal."""
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        if sig != signal.SIGKILL:
+            signal.signal(sig, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, [sig])
+        os.kill(os.getpid(), sig)
+    os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
 
 
 def _confine(directory: str, limits: Limits, caps: dict[str, bool]) -> None:
     """Runs in the child between fork and exec: every layer in order."""
+    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # the scoring thread gone, the program goes too
+    if caps["pid_namespace"]:
+        _into_own_pid_namespace()
     if caps["network_namespace"] and _libc.unshare(CLONE_NEWNET) != 0:
         os._exit(97)
     if caps["drop_to_nobody"]:
@@ -203,6 +257,23 @@ class Run:
     cpu_s: float  # user + system CPU time of the program
 
 
+def _ends_by(pid: int, deadline: float) -> bool:
+    """Whether the child `pid` ends by `deadline` (monotonic), seen at once: a pidfd becomes readable when its
+    process ends (Linux 5.3; polled every 5 ms before)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError:
+        while time.monotonic() < deadline:
+            if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                return True
+            time.sleep(0.005)
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    try:
+        return bool(select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0])
+    finally:
+        os.close(fd)
+
+
 def _reason(run: Run, limits: Limits) -> str:
     """Why a program failed, from the exit status, the CPU time and the clock (never from its output:
     a hostile program can print anything). What it said last is quoted as its own words (`_last_said`)."""
@@ -215,7 +286,7 @@ def _reason(run: Run, limits: Limits) -> str:
         return f"CPU time limit ({limits.cpu_s} s)"
     if code == -signal.SIGXFSZ:
         return f"file or output size limit ({limits.file_mb} MB)"
-    if code in (96, 97, 98):
+    if code in (95, 96, 97, 98):
         return f"sandbox could not be set up (exit code {code})"
     if code is not None and code < 0:
         try:
@@ -296,17 +367,10 @@ class Sandbox:
     @staticmethod
     def _wait(proc: subprocess.Popen, deadline: float):
         """Reap the program (with its resource usage) by the deadline, then kill its whole group."""
-        timed_out = False
-        while True:
-            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-            if pid:
-                break
-            if time.monotonic() >= deadline:
-                timed_out = True
-                os.killpg(proc.pid, signal.SIGKILL)
-                _, status, usage = os.wait4(proc.pid, 0)
-                break
-            time.sleep(0.005)
+        timed_out = not _ends_by(proc.pid, deadline)
+        if timed_out:
+            os.killpg(proc.pid, signal.SIGKILL)
+        _, status, usage = os.wait4(proc.pid, 0)
         proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait again
         try:
             os.killpg(proc.pid, signal.SIGKILL)  # whatever it forked too

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -35,6 +36,19 @@ def test_passing_and_failing_tests_score_the_fraction(sandbox):
 def test_runaway_programs_are_stopped_with_the_reason(sandbox, program, reason):
     r = sandbox.run_tests(program, ["pass"])
     assert r.score == 0.0 and reason in r.reason, r.reason
+
+
+@pytest.mark.parametrize("seen", ["by a pidfd", "by polling (a kernel before 5.3)"])
+def test_the_end_of_a_program_is_seen_at_once_and_a_sleeper_at_the_wall_clock(sandbox, monkeypatch, seen):
+    import time
+
+    if seen != "by a pidfd":
+        monkeypatch.setattr(os, "pidfd_open", lambda pid: (_ for _ in ()).throw(OSError(38, "Function not implemented")))
+    run = sandbox.run_one("print(6 * 7)")
+    assert (run.code, run.stdout, run.timed_out) == (0, "42\n", False)
+    started = time.monotonic()
+    run = sandbox.run_one("import time\ntime.sleep(60)")
+    assert run.timed_out and sandbox.limits.wall_s <= time.monotonic() - started < sandbox.limits.wall_s + 5
 
 
 def test_a_program_cannot_forge_the_sandbox_reason(sandbox):
@@ -94,6 +108,49 @@ def test_no_other_process_can_be_signalled_or_traced(without):
     finally:
         victim.kill()
         victim.wait()
+
+
+@pytest.mark.parametrize("ending", ["exits", "times out"])
+def test_nothing_a_program_started_outlives_it(sandbox, ending):
+    """A child that leaves the program's process group (setsid) and sleeps was out of reach of the group kill and
+    outlived the run, holding one of `nobody`'s few processes: enough such runs and every program that forks
+    failed. The program's PID namespace ends with it, and every process in it."""
+    import secrets
+    import time
+
+    if not capabilities()["pid_namespace"]:
+        pytest.skip("this host allows no PID namespace; see docs/architecture.md for what holds then")
+    token = secrets.token_hex(8)  # names the sleeper's command line, to look for it among the host's processes
+    sleeper = "open('up', 'w').close(); import time; time.sleep(60)"
+    program = ("import os, sys, time\n"
+               "if os.fork() == 0:\n"
+               "    os.setsid()\n"
+               f"    os.execv(sys.executable, [sys.executable, '-c', {sleeper!r}, '{token}'])\n"
+               "while not os.path.exists('up'):\n"
+               "    time.sleep(0.01)\n"
+               "print('sleeper up', flush=True)\n"
+               + ("time.sleep(60)\n" if ending == "times out" else ""))
+    started = time.monotonic()
+    run = sandbox.run_one(program)
+    assert run.stdout == "sleeper up\n" and run.timed_out == (ending == "times out")
+    assert time.monotonic() - started < 10
+
+    def alive() -> list[int]:
+        found = []
+        for entry in Path("/proc").iterdir():
+            try:
+                if entry.name.isdigit() and token.encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:  # gone meanwhile
+                pass
+        return found
+
+    # The kernel tears a namespace down as its first process ends; after a wall-clock kill, that ending runs on
+    # while the parent reaps its own child (a few milliseconds here). Without the namespace, the sleeper ran on.
+    deadline = time.monotonic() + 10
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert alive() == [], "a process the program started is still running"
 
 
 def test_the_words_quoted_are_the_exception_a_program_died_of_even_when_a_forked_childs_traceback_ends_last():
