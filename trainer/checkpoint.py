@@ -85,13 +85,32 @@ def latest(directory: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
+class CheckpointMismatch(ValueError):
+    """A checkpoint whose parameters are not this model's (one of another run, of another model)."""
+
+
+def _check_fits(saved: dict[str, tuple[int, ...]], model) -> None:
+    """Raise CheckpointMismatch naming the first parameter whose shape differs between the checkpoint and `model`
+    (global shapes, sharded or not), or when they have no parameter name in common."""
+    here = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    common = saved.keys() & here.keys()
+    differ = sorted(name for name in common if saved[name] != here[name])
+    if not common:
+        raise CheckpointMismatch(f"none of its {len(saved)} parameters is named as one of this model's")
+    if differ:
+        more = f" ({len(differ) - 1} more differ)" if len(differ) > 1 else ""
+        raise CheckpointMismatch(f"{differ[0]} is {list(saved[differ[0]])} in it and {list(here[differ[0]])} in "
+                                 f"this model{more}")
+
+
 def load(path: str | Path, model, optimizer, scheduler, sharded: bool = False) -> tuple[int, int]:
     """Restore everything into `model` (sharded or not, whichever kind the checkpoint is); returns (step,
-    version) of the checkpoint."""
+    version) of the checkpoint. CheckpointMismatch if its parameters' shapes are not the model's."""
     path = Path(path)
     if (path / META).exists():
         return _load_shards(path, model, optimizer, scheduler)
     state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
+    _check_fits({name: tuple(t.shape) for name, t in state["model"].items()}, model)
     if sharded:
         _load_whole_into_shards(state, model, optimizer)
     else:
@@ -132,6 +151,9 @@ def _load_shards(path: Path, model, optimizer, scheduler) -> tuple[int, int]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+    stored = dcp.FileSystemReader(path / "shards").read_metadata().state_dict_metadata
+    _check_fits({key.removeprefix("model."): tuple(meta.size) for key, meta in stored.items()
+                       if key.startswith("model.") and hasattr(meta, "size")}, model)
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optim_state}
     dcp.load(state, checkpoint_id=path / "shards")  # resharded to this world's layout, whatever wrote it
@@ -172,3 +194,11 @@ def write_record(cfg, model_path: str, step: int, autocast: str) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(record, indent=2))
     os.replace(tmp, path)
+
+
+def read_record(run_dir: str | Path) -> dict | None:
+    """The run directory's `trainer.json`, or None where there is none (or none that reads as JSON)."""
+    try:
+        return json.loads((Path(run_dir) / RECORD).read_text())
+    except (OSError, ValueError):
+        return None

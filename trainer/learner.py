@@ -126,7 +126,14 @@ class Learner:
         path = checkpoint.latest(self.ckpt_dir)
         if path is None:
             return
-        step, version = checkpoint.load(path, self.model, self.optimizer, self.scheduler, sharded=self.world is not None)
+        try:
+            step, version = checkpoint.load(path, self.model, self.optimizer, self.scheduler,
+                                            sharded=self.world is not None)
+        except checkpoint.CheckpointMismatch as exc:
+            record = checkpoint.read_record(self.cfg.run.dir) or {}
+            trained = f" ({record['model_path']}, says trainer.json)" if "model_path" in record else ""
+            raise ConfigError(f"cannot resume from {path}: {exc}. run.dir {self.cfg.run.dir} holds a run of another "
+                              f"model{trained}: give a new run.dir, or that run's model.path") from None
         for group in self.optimizer.param_groups:  # the checkpoint's groups name the kernel they ran: this config's
             group.update(self._adamw_kernel())
         self.step, self.version = step + 1, version

@@ -7,6 +7,7 @@ import math
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -17,7 +18,8 @@ from safetensors.torch import load_file
 
 from rlbus.common import protocol as P
 from rlbus.logview import events
-from tests.conftest import free_port, reap
+from rlbus.weights.models import make_tiny
+from tests.conftest import REPO, free_port, reap
 from tests.helpers.weights import assert_same_weights
 from tests.trainer.test_resume import delivered, feed, start_trainer, steps_logged
 from tests.trainer.test_trainer import synthetic
@@ -158,3 +160,11 @@ def test_two_ranks_whose_taskset_runs_out_publish_and_save_the_last_step_trained
     shards = tmp_path / "run" / "checkpoints" / "step_00000000"
     assert (shards / "meta.pt").exists() and len(list((shards / "shards").glob("*.distcp"))) == 2
     assert [e["world_size"] for e in events(log, "trainer_ranks_done")] == [2]
+    # The same directory resumed with another model: its sharded checkpoint is refused by the shapes DCP recorded.
+    wider = str(make_tiny(tmp_path / "wider", tiny_model, hidden=192))
+    done = subprocess.run([sys.executable, "-m", "rlbus.cli", "trainer", "--broker", b.address, "--set",
+                           f"run.dir={tmp_path / 'run'}", "--set", f"model.path={wider}"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and done.stderr.splitlines()[-1].startswith(
+        f"error: cannot resume from {shards}: lm_head.weight is [49152, 128] in it and [49152, 192] in this model"), \
+        done.stderr[-2000:]

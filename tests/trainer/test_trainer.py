@@ -504,6 +504,31 @@ def test_a_reference_cast_once_trains_bit_for_bit_as_one_autocast_casts_every_st
     assert all(torch.equal(a, b) for a, b in zip(weights_once, weights_every))
 
 
+def test_a_checkpoint_of_another_model_is_refused_naming_the_model_it_was_trained_on(tiny_model, tmp_path):
+    """`rlbus up` again on a run directory, with another model.path: the trainer stopped on a traceback of
+    load_state_dict's shape mismatches; it now says which run the directory holds and what to do."""
+    from rlbus.common.config import ConfigError
+    from rlbus.trainer import checkpoint
+    from rlbus.trainer.main import Trainer
+    from rlbus.weights.models import make_tiny
+
+    wider = str(make_tiny(tmp_path / "wider", tiny_model, hidden=192))
+    cfg = load_config(None, [f"run.dir={tmp_path}/run", "rollout.dtype=float32"], environ={})
+    with closing(Trainer(cfg, tiny_model)) as trainer:
+        checkpoint.write_record(cfg, tiny_model, 0, "off")
+        trainer.save()
+    with closing(Trainer(cfg, wider)) as trainer:
+        with pytest.raises(ConfigError) as refused:
+            trainer.resume()
+    assert str(refused.value) == (
+        f"cannot resume from {tmp_path}/run/checkpoints/step_00000000: lm_head.weight is [49152, 128] in it and "
+        f"[49152, 192] in this model (20 more differ). run.dir {tmp_path}/run holds a run of another model "
+        f"({tiny_model}, says trainer.json): give a new run.dir, or that run's model.path")
+    with closing(Trainer(cfg, tiny_model)) as trainer:  # the model it was trained on resumes
+        trainer.resume()
+        assert trainer.step == 1
+
+
 def test_adamw_steps_fused_when_told_and_a_resumed_trainer_takes_its_own_configs_kernel(tiny_model, tmp_path):
     """`trainer.fused_optimizer` steps AdamW with its fused kernel, false (the default) with torch's default one:
     a step of each moves the weights by lr and leaves them equal to float rounding. A checkpoint's param groups
