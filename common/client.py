@@ -32,7 +32,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from typing import Any, Callable
 
 import structlog
@@ -99,6 +99,9 @@ class BrokerClient(Connection):
         # Messages the broker sends on its own (EVAL for reward workers), for the peer's code to take.
         self.inbox: queue.Queue[P.Message] = queue.Queue()
         self._lock = threading.Lock()
+        self._weights_lock = threading.Lock()
+        self._unannounced = -1  # a version STATUS showed that the bus had not brought (`weights_from_status`)
+        self._status_read = time.monotonic()  # the last STATUS `weights_from_status` sent (none: its first wait)
         self._welcomed = threading.Event()  # set by WELCOME, or by a refused first HELLO
         self._hello_error: Exception | None = None  # a refused first HELLO, or the I/O thread's failure
         self._refused: BrokerError | None = None  # the last refusal of a HELLO that is retried
@@ -150,6 +153,27 @@ class BrokerClient(Connection):
             self._outbox.append(request)
             self._wake_tx.send(b"", zmq.NOBLOCK)
         return request.future
+
+    def weights_from_status(self, every_s: float = 5.0) -> None:
+        """For a peer waiting for a version, called as often as it likes: every `every_s`, ask STATUS for the
+        broker's weights. A version that two such reads in a row show and the bus has still not brought is taken
+        from STATUS, with a warning: this peer's bus is not the broker's (`broker.pub_port` or `pub_address` set
+        otherwise than the broker has them), which would otherwise leave it waiting without a word."""
+        now = time.monotonic()
+        if now - self._status_read < every_s:
+            return
+        self._status_read = now
+        try:
+            state = self.request(P.STATUS, {}, timeout=every_s).header.get("weights") or {}
+        except (TimeoutError, BrokerError, BrokerUnreachable, CancelledError):  # a broker away, or stopping: wait on
+            return
+        version, shown = state.get("version", -1), self._unannounced
+        held = (self.weights or {}).get("version", -1)
+        self._unannounced = version if version > held else -1
+        if version > held and version == shown and self._take_newer(state):
+            log.warning("weights_not_on_bus", peer=self.name, policy_version=version, bus=self.bus_address,
+                        hint="this peer's bus is not the broker's: set broker.pub_port (or broker.pub_address) "
+                             "as the broker has it; versions come through STATUS meanwhile")
 
     def stopping(self, give_up: tuple[str, ...] = ()) -> None:
         """The peer is stopping. From now on a broker that goes silent (past `liveness` heartbeats) fails

@@ -262,8 +262,9 @@ class Connection:
                         hint="the broker serves another run now: its buffer, tasks and leases are not this run's")
         self.welcome = h
         self.credit = h.get("credit", 0)
-        if self.weights is None or h["weights"]["version"] >= self.weights["version"]:
-            self._set_weights(h["weights"])
+        with self._weights_lock:
+            if self.weights is None or h["weights"]["version"] >= self.weights["version"]:
+                self._set_weights(h["weights"])
         self.hb = h.get("heartbeat_interval_s", self.hb)
         self.liveness = h.get("liveness", self.liveness)
         self._welcome_ok = True
@@ -284,10 +285,17 @@ class Connection:
             state = P.unpack(frames[2])
         except Exception:
             return
-        # A version is published twice when it is broadcast (announced, then with its checkpoint): newest wins.
+        self._take_newer(state)
+
+    def _take_newer(self, state: dict[str, Any]) -> bool:
+        """A weight state, unless the one held is as new. A version is published twice when it is broadcast
+        (announced, then with its checkpoint): newest wins."""
         key = (state.get("version", -1), state.get("published_at", 0.0))
-        if self.weights is None or key > (self.weights.get("version", -1), self.weights.get("published_at", 0.0)):
-            self._set_weights(state)
+        with self._weights_lock:  # the bus (I/O thread) and a STATUS read (the peer's thread) may both offer one
+            if self.weights is None or key > (self.weights.get("version", -1), self.weights.get("published_at", 0.0)):
+                self._set_weights(state)
+                return True
+        return False
 
     def _set_weights(self, state: dict[str, Any]) -> None:
         self.weights = state

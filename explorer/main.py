@@ -91,10 +91,9 @@ class Explorer:
         b = self.cfg.broker
         self.client = BrokerClient(b.address, "explorer", self.name, bus_address=self.cfg.bus_address(),
                                    heartbeat_interval_s=b.heartbeat_interval_s, liveness=b.liveness,
-                                   policy_version=self.engine.version,
-                                   capabilities=self._capabilities(), rollout=self._rollout_given(),
-                                   curve_server_key=b.curve_server_key, curve_client_key=b.curve_client_key,
-                                   on_weights=lambda state: self.announced.set())
+                                   policy_version=self.engine.version, capabilities=self._capabilities(),
+                                   rollout=self._rollout_given(), curve_server_key=b.curve_server_key,
+                                   curve_client_key=b.curve_client_key, on_weights=lambda state: self.announced.set())
         welcome = self.client.start(timeout=60)
         if self.cfg.reward.service:
             from rlbus.reward.worker import RemoteReward
@@ -154,6 +153,7 @@ class Explorer:
                 self._load_newest()
                 if self.engine.version >= need:
                     break
+            self.client.weights_from_status()  # a bus that is not the broker's would never say; STATUS does
             self._hold(min(0.05, retry_after), self.announced)
         log.info("weights_wait_over", policy_version=self.engine.version, need_version=need,
                  waited_s=round(time.monotonic() - started, 3))

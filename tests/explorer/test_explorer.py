@@ -134,6 +134,38 @@ def test_lockstep_explorer_waits_for_the_version_it_needs(broker_factory, client
 
 
 
+def test_an_explorer_whose_bus_is_not_the_brokers_takes_the_version_from_status_and_says_so(
+        broker_factory, clients, engine, tiny_model, tmp_path):
+    """An explorer given another `broker.pub_port` than the broker's heard no version announced and waited for
+    ever, without a word, while the trainer waited for its batch. It now reads STATUS while it waits: a version
+    shown twice there and never on its bus is loaded, with a warning naming the setting."""
+    from structlog.testing import capture_logs
+
+    from tests.conftest import free_port
+
+    b = broker_factory("sync.sync_style=lockstep", "sync.sync_interval=1", "sync.sync_offset=0",
+                       "rollout.repeat=4", "rollout.max_tokens=8", "data.batch_tasks=2")
+    trainer = clients(b, "trainer", "tr")
+    ex = Explorer(explorer_config(b, f"broker.pub_port={free_port()}"), engine, name="ex-deaf")
+    thread = threading.Thread(target=ex.run, kwargs={"max_batches": 2})
+    with capture_logs() as logs:
+        thread.start()
+        try:
+            _, metas, _ = fetch_all(trainer, step=0, max_groups=2, min_groups=2, wait_ms=60_000)
+            trainer.request(P.COMMIT, {"step": 0})
+            publish(trainer, tiny_model, 1)
+            thread.join(60)
+            assert not thread.is_alive() and ex.batches == 2
+        finally:
+            ex.stop()
+            thread.join(10)
+            load_checkpoint(engine, tiny_model, weights_digest(tiny_model), 0)
+    _, metas, _ = fetch_all(trainer, step=1, max_groups=2)
+    assert {(m["batch_index"], m["policy_version"]) for m in metas} == {(1, 1)}
+    warned = [e for e in logs if e["event"] == "weights_not_on_bus"]
+    assert [(e["policy_version"], e["bus"]) for e in warned] == [(1, ex.cfg.bus_address())]
+
+
 def test_an_explorer_waiting_for_weights_stops_once_the_trainer_has_taken_its_last_step(broker_factory, clients,
                                                                                         engine):
     """Lockstep: after batch 0 the explorer waits for version 1. The trainer ends the run instead (its last step
