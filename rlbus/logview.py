@@ -128,12 +128,13 @@ def _events_in(lines: Iterable[bytes], stem: str, needle: bytes = b"", offset: i
             event = json.loads(line) if line else None
         except (json.JSONDecodeError, RecursionError):
             event = None
-        if not complete and not _is_event(event):
+        whole = _is_event(event)
+        if not complete and not whole:
             break
         offset += len(raw)
-        if not line or needle and needle not in raw:
+        if not line or needle not in raw:  # (an empty needle is in every line)
             continue
-        if not _is_event(event):
+        if not whole:
             event = {"event": "unparsed_line", "ts": ts, "text": line[:500]}
         ts = float(event.get("ts", ts))
         if stem:
