@@ -59,7 +59,7 @@ class Broker:
         self.started_at = self.store.get_meta("started_at") or time.time()
         self.store.set_meta("started_at", self.started_at)
         self.peers = Peers()
-        self.rollout = RunRollout(cfg, self.store)
+        self.rollout = RunRollout(cfg, self.store.catalog)
         self.explorers_seen: set[str] = set()  # names of the explorers that ever joined (trainer.wait_for_explorers)
         self.started = time.monotonic()
         self.tasks = TaskQueue(self.store.catalog, make_taskset(cfg.data), cfg.data.batch_tasks,
@@ -233,11 +233,9 @@ class Broker:
                 "message": f"name {h['name']!r} belongs to a live {holder.role} (last heard "
                            f"{now - holder.last_seen:.1f} s ago); pick another name, or retry once it has "
                            f"left or expired (in {wait:.1f} s)"})
-        differs = self.rollout.differences(h.get("rollout", {}))
-        if differs:  # it would sample differently from what the trainer's importance weights assume
-            return self.reply(identity, msg, P.ERROR, {
-                "code": "conflict", "message": f"{'; '.join(differs)}: start it with the run's rollout settings, "
-                                               f"or leave them out to take the run's"})
+        refusal = self.rollout.refusal(h.get("rollout", {}))
+        if refusal:  # it would sample, or train, otherwise than the trainer's importance weights assume
+            return self.reply(identity, msg, P.ERROR, {"code": "conflict", "message": refusal})
         self.rollout.admit(h.get("rollout", {}), h["name"])  # before any change: it may be refused for the disk
         if h["role"] == "trainer":
             self.bus.finish(False)  # a trainer back on a finished run: it goes on (recorded before any change too)

@@ -52,7 +52,8 @@ class _Quiet:
 
 
 class _Tee:
-    """Render each event once for the stream and once, as JSON, for the file."""
+    """Render each event once for the stream and once, as JSON, for the file; an event logged with
+    `file_only=True` goes to the file alone (what the process also prints in its own words, as `error: ...`)."""
 
     def __init__(self, stream: TextIO, console: bool, file: TextIO | None):
         self._stream = stream
@@ -61,10 +62,13 @@ class _Tee:
         self._console = structlog.dev.ConsoleRenderer(colors=stream.isatty()) if console else None
 
     def __call__(self, logger: Any, name: str, event: dict) -> str:
+        file_only = event.pop("file_only", False)
         line = self._json(logger, name, dict(event))
         if self._file is not None:
             self._file.write(line + "\n")
             self._file.flush()
+        if file_only:
+            raise structlog.DropEvent
         if self._console is not None:
             return self._console(logger, name, event)
         return line

@@ -31,6 +31,7 @@ MAX_WORKERS = 1024  # ranks one explorer takes in a weight broadcast (its engine
 Workers = Annotated[int, Meta(ge=1, le=MAX_WORKERS)]
 Names = list[Id]
 Dtype = Literal["auto", "bfloat16", "float16", "float32"]  # as config section `rollout` takes them
+ModelPrint = Annotated[str, Meta(max_length=256)]  # "": not known to the peer
 
 
 class Header(Struct, forbid_unknown_fields=False, kw_only=True):
@@ -53,6 +54,7 @@ class Rollout(Struct, forbid_unknown_fields=False):
     dtype: Dtype | UnsetType = UNSET
     repeat: Int | UnsetType = UNSET
     seed: Int | UnsetType = UNSET
+    model: ModelPrint | UnsetType = UNSET  # not a config setting: each host reads it from its model's files
 
 
 class Hello(Header):

@@ -15,7 +15,8 @@ bindings (torch and vLLM load triton) then report the objects it still holds
 as leaked, thirty lines at every exit of a trainer or an explorer: where
 triton was loaded, what the teardown writes after every exit handler goes to
 /dev/null (`quiet_teardown`). `rlbus trainer` asks for huge pages for its
-large tensors before torch loads (`tensor_huge_pages`).
+large tensors before torch loads (`tensor_huge_pages`). Why a trainer or an
+explorer ended is the last event of its log (`failures_logged`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,27 @@ from pathlib import Path
 from typing import IO, Callable, Iterator
 
 import structlog
+
+from rlbus.common.config import ConfigError
+from rlbus.common.connection import BrokerError, NoWelcome, StoppedBeforeWelcome
+from rlbus.common.protocol import brief
+
+@contextmanager
+def failures_logged(event: str) -> Iterator[None]:
+    """Log why the process ends, if it fails inside, as `event` (e.g. `trainer_failed`), then raise again: one line
+    in the log file for a setting it cannot use, no broker or the broker's refusal (which the command prints as
+    its `error: ...` line, so it is not said twice on stderr); the traceback, everywhere, for anything else."""
+    log = structlog.get_logger()
+    try:
+        yield
+    except StoppedBeforeWelcome:  # told to stop before the broker answered: nothing failed
+        raise
+    except (ConfigError, NoWelcome, BrokerError) as exc:
+        log.error(event, error=str(exc), file_only=True)
+        raise
+    except Exception as exc:
+        log.exception(event, error=brief(exc))
+        raise
 
 
 def _prctl(*args) -> bool:

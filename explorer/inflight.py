@@ -10,12 +10,16 @@ only inside a swap slot the broker grants (`sync.max_swapping`).
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import threading
-from typing import TYPE_CHECKING
+import time
+from typing import TYPE_CHECKING, Iterator
 
 import structlog
 
+from rlbus.common import protocol as P
+from rlbus.common.client import BrokerError, BrokerUnreachable
 from rlbus.weights.sync import RETRY_S
 
 if TYPE_CHECKING:
@@ -76,5 +80,30 @@ class _Slotted:
     def reload(self, source: dict, version: int) -> dict:
         if source["method"] == "nccl":
             return self.explorer.engine.reload(source, version)
-        with self.explorer.swap_slot(version):
+        with swap_slot(self.explorer, version):
             return self.explorer.engine.reload(source, version)
+
+
+@contextlib.contextmanager
+def swap_slot(explorer: Explorer, version: int) -> Iterator[None]:
+    """Hold one of the run's `sync.max_swapping` swap slots (the broker grants them) while inside."""
+    if not explorer.welcome_sync.get("max_swapping"):
+        yield
+        return
+    started = time.monotonic()
+    while True:
+        reply = explorer.client.request(P.SWAP, {"phase": "begin", "version": version}, timeout=None)
+        if reply.command == P.OK:
+            break
+        if explorer.stop_event.wait(reply.header["retry_after_s"]):
+            raise Stopping("stopped while waiting for a swap slot")
+    waited = time.monotonic() - started
+    if waited > 0.01:
+        log.info("swap_slot_waited", policy_version=version, waited_s=round(waited, 3))
+    try:
+        yield
+    finally:
+        try:
+            explorer.client.request(P.SWAP, {"phase": "end", "version": version}, timeout=30)
+        except (BrokerError, BrokerUnreachable, TimeoutError) as exc:  # the broker frees it when its time is up
+            log.warning("swap_slot_not_released", error=str(exc))

@@ -40,12 +40,11 @@ after `broker.liveness` silent heartbeats, waiting for neither it nor reward wor
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import threading
 import time
 from concurrent.futures import Future
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import structlog
 
@@ -53,14 +52,14 @@ from rlbus.common import cores, metrics, protocol as P, telemetry
 from rlbus.common.client import BrokerClient, BrokerError, BrokerUnreachable, default_name
 from rlbus.common.config import RunConfig
 from rlbus.common.logging import bind
-from rlbus.common.processes import freeze_heap, on_stop_signals
+from rlbus.common.processes import failures_logged, freeze_heap, on_stop_signals
 from rlbus.common.tasksets import Taskset, make_taskset
 from rlbus.explorer.activity import Activity
 from rlbus.explorer.envs import make_env
-from rlbus.explorer.inflight import Loader, Stopping
+from rlbus.explorer.inflight import Loader
 from rlbus.explorer.rollout import Rollouts, context_tokens, greedy_accuracy, roll_out
 from rlbus.reward.base import from_config
-from rlbus.weights.models import model_context, resolve_model, with_rollout_dtype
+from rlbus.weights.models import model_context, model_fingerprint, resolve_model, with_rollout_dtype
 from rlbus.weights.sync import Receiver
 
 log = structlog.get_logger()
@@ -109,10 +108,11 @@ class Explorer:
         return welcome
 
     def _rollout_given(self) -> dict[str, Any]:
-        """The rollout settings this explorer was configured with (by file, environment or --set); the
-        others it takes from the run. The engine's dtype and seed are always given: the engine uses them."""
+        """The rollout settings this explorer was configured with (by file, environment or --set); the others it
+        takes from the run. The engine's dtype, seed and model are always given: the engine was built with them."""
         given = self.cfg.rollout.model_fields_set | {"dtype", "seed"}
-        return {k: v for k, v in self.cfg.rollout.model_dump().items() if k in given}
+        r = {k: v for k, v in self.cfg.rollout.model_dump().items() if k in given}
+        return r | {"model": model_fingerprint(self.engine.model)}
 
     def _capabilities(self) -> dict[str, Any]:
         if self.cfg.explorer.receive != "auto":
@@ -344,30 +344,6 @@ class Explorer:
                      reward_mean=round(sum(rewards) / len(rewards), 4), tokens=sum(m["n_tokens"] for m, _ in items),
                      rollout_s=round(rollout_s, 3), in_flight=self.engine.in_flight, core_wait=core_wait)
 
-    @contextlib.contextmanager
-    def swap_slot(self, version: int) -> Iterator[None]:
-        """Hold one of the run's `sync.max_swapping` swap slots (the broker grants them) while inside."""
-        if not self.welcome_sync.get("max_swapping"):
-            yield
-            return
-        started = time.monotonic()
-        while True:
-            reply = self.client.request(P.SWAP, {"phase": "begin", "version": version}, timeout=None)
-            if reply.command == P.OK:
-                break
-            if self.stop_event.wait(reply.header["retry_after_s"]):
-                raise Stopping("stopped while waiting for a swap slot")
-        waited = time.monotonic() - started
-        if waited > 0.01:
-            log.info("swap_slot_waited", policy_version=version, waited_s=round(waited, 3))
-        try:
-            yield
-        finally:
-            try:
-                self.client.request(P.SWAP, {"phase": "end", "version": version}, timeout=30)
-            except (BrokerError, BrokerUnreachable, TimeoutError) as exc:  # the broker frees it when its time is up
-                log.warning("swap_slot_not_released", error=str(exc))
-
 
 def _unacknowledged(puts: list[Future]) -> list[Future]:
     """The PUTs not acknowledged yet; raises the error of one that failed (the list is left as it was)."""
@@ -379,22 +355,23 @@ def _unacknowledged(puts: list[Future]) -> list[Future]:
 
 def run(cfg: RunConfig) -> None:
     """Entry point of `rlbus explorer`."""
-    from rlbus.explorer.engine import Engine
+    with failures_logged("explorer_failed"):  # the log says why it ended, the engine's failures too
+        from rlbus.explorer.engine import Engine
 
-    cfg = with_rollout_dtype(cfg)  # the engine computes in it
-    reward_fn = from_config(cfg.reward)  # a reward that cannot load, or a bad held-out file: said before the engine
-    held_out = make_taskset(cfg.data, eval_set=True) if cfg.explorer.eval_every else None
-    path, x = resolve_model(cfg.model.path, cfg.model.cache_dir), cfg.explorer
-    engine = Engine(path, seed=cfg.rollout.seed, dtype=cfg.rollout.dtype, memory_fraction=x.memory_fraction,
-                    max_model_len=context_tokens(x.max_model_len, cfg.rollout.max_tokens, model_context(path)),
-                    kv_cache_mb=x.kv_cache_mb, core=x.engine_core, swap_kv=x.swap_kv,
-                    tensor_parallel=x.tensor_parallel, threads=x.threads)
-    try:
-        engine.warm_up()
-        explorer = Explorer(cfg, engine, held_out=held_out, reward_fn=reward_fn)
-        freeze_heap()
-        on_stop_signals(explorer.stop)
-        with telemetry.start(cfg, "explorer", explorer.name):
-            explorer.run()
-    finally:  # however the run ended (stopped before the broker welcomed it, too), the process ends next
-        engine.close(ending=True)
+        cfg = with_rollout_dtype(cfg)  # the engine computes in it
+        reward_fn = from_config(cfg.reward)  # a reward that cannot load, or a bad held-out file: said before the engine
+        held_out = make_taskset(cfg.data, eval_set=True) if cfg.explorer.eval_every else None
+        path, x = resolve_model(cfg.model.path, cfg.model.cache_dir), cfg.explorer
+        engine = Engine(path, seed=cfg.rollout.seed, dtype=cfg.rollout.dtype, memory_fraction=x.memory_fraction,
+                        max_model_len=context_tokens(x.max_model_len, cfg.rollout.max_tokens, model_context(path)),
+                        kv_cache_mb=x.kv_cache_mb, core=x.engine_core, swap_kv=x.swap_kv,
+                        tensor_parallel=x.tensor_parallel, threads=x.threads)
+        try:
+            engine.warm_up()
+            explorer = Explorer(cfg, engine, held_out=held_out, reward_fn=reward_fn)
+            freeze_heap()
+            on_stop_signals(explorer.stop)
+            with telemetry.start(cfg, "explorer", explorer.name):
+                explorer.run()
+        finally:  # however the run ended (stopped before the broker welcomed it, too), the process ends next
+            engine.close(ending=True)

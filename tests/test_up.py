@@ -343,22 +343,32 @@ def test_a_component_that_fails_is_reported_with_the_reason_its_log_gives(tmp_pa
     assert "is a directory without config.json" in failed[0]["error"]
 
 
-def test_the_reason_of_a_component_that_fails_before_it_logs_is_the_error_line_it_printed(tmp_path):
-    """An explorer given a model that is none exits before its JSON log starts, with a one-line `error: ...` on
-    stderr (which `rlbus up` keeps as logs/NAME.out): that line is the reason `component_failed` gives."""
+def test_the_reason_of_a_component_that_fails_is_what_its_log_says_else_the_error_line_it_printed(tmp_path):
+    """An explorer given a model that is none logs `explorer_failed` with the reason; one whose config does not load
+    exits before its JSON log starts, with a one-line `error: ...` on stderr (which `rlbus up` keeps as
+    logs/NAME.out): that line is the reason `component_failed` gives."""
     from rlbus.launcher import last_error
 
     logs = tmp_path / "logs"
     logs.mkdir()
-    with open(logs / "explorer-0.out", "w") as out:
-        code = subprocess.run([sys.executable, "-m", "rlbus.cli", "explorer", "--set", "model.path=/nonexistent",
-                               "--set", f"run.dir={tmp_path}", "--set", "logging.format=json",
-                               "--set", f"logging.file={logs / 'explorer-0.jsonl'}"],
-                              stdout=subprocess.DEVNULL, stderr=out, timeout=120, cwd=REPO).returncode
-    assert code == 2
-    assert last_error(logs, "explorer-0") == ("model.path='/nonexistent' is neither a bundled model "
-                                              "(['smollm2-135m']), a local HF model directory, nor a hub id "
-                                              "(owner/name)")
+
+    def explorer(setting: str) -> int:
+        with open(logs / "explorer-0.out", "w") as out:
+            return subprocess.run([sys.executable, "-m", "rlbus.cli", "explorer", "--set", setting,
+                                   "--set", f"run.dir={tmp_path}", "--set", "logging.format=json",
+                                   "--set", f"logging.file={logs / 'explorer-0.jsonl'}"],
+                                  stdout=subprocess.DEVNULL, stderr=out, timeout=120, cwd=REPO).returncode
+
+    assert explorer("model.path=/nonexistent") == 2
+    failed = log_events(logs / "explorer-0.jsonl", "explorer_failed")
+    assert [e["error"] for e in failed] == ["model.path='/nonexistent' is neither a bundled model (['smollm2-135m']), "
+                                            "a local HF model directory, nor a hub id (owner/name)"]
+    assert last_error(logs, "explorer-0") == failed[0]["error"]
+    (logs / "explorer-0.jsonl").unlink()
+    assert explorer("explorer.temperature=1") == 2
+    assert not (logs / "explorer-0.jsonl").exists()
+    assert last_error(logs, "explorer-0") == ("explorer.temperature is now rollout.temperature: the settings every "
+                                              "process of a run must agree on live in the rollout section")
     assert last_error(logs, "trainer") is None  # no log at all
     (logs / "explorer-0.jsonl").write_text('{"event": "explorer_failed", "level": "error", "ts": 1, '
                                            '"error": "from its log"}\n')

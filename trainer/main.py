@@ -43,15 +43,15 @@ import structlog
 import torch
 
 from rlbus.common import protocol as P
-from rlbus.common.client import BrokerClient, BrokerError, BrokerUnreachable, NoWelcome, StoppedBeforeWelcome
-from rlbus.common.config import ConfigError, RunConfig
+from rlbus.common.client import BrokerClient, BrokerError, BrokerUnreachable
+from rlbus.common.config import RunConfig
 from rlbus.common import metrics as metrics_sink, telemetry
 from rlbus.common.logging import bind
-from rlbus.common.processes import freeze_heap, on_stop_signals
+from rlbus.common.processes import failures_logged, freeze_heap, on_stop_signals
 from rlbus.trainer import checkpoint, distributed, report
 from rlbus.trainer.distributed import Plan, World
 from rlbus.trainer.learner import Learner
-from rlbus.weights.models import with_rollout_dtype
+from rlbus.weights.models import model_fingerprint, with_rollout_dtype
 from rlbus.weights.sync import Sender, make_sender
 
 log = structlog.get_logger()
@@ -281,7 +281,8 @@ class Trainer(Learner):
                                    policy_version=self.version, curve_server_key=b.curve_server_key,
                                    curve_client_key=b.curve_client_key,
                                    # what its importance weights and published weights assume: the broker checks
-                                   rollout={"temperature": r.temperature, "dtype": r.dtype})
+                                   rollout={"temperature": r.temperature, "dtype": r.dtype,
+                                            "model": model_fingerprint(self.model_path)})
         welcome = self.client.start(timeout=60)
         self.broker_version = welcome["weights"]["version"]
         if self.broker_version > self.version:
@@ -367,28 +368,21 @@ def run(cfg: RunConfig) -> None:
     from rlbus.weights.models import resolve_model
 
     try:
-        world = distributed.init(cfg)
-        if world is not None:
-            bind(rank=world.rank)
-        trainer = Trainer(cfg, resolve_model(cfg.model.path, cfg.model.cache_dir), world=world)
-        freeze_heap()
-        if trainer.main:
-            on_stop_signals(trainer.stop)
-            with telemetry.start(cfg, "trainer", cfg.trainer.name):
+        with failures_logged("trainer_failed"):
+            world = distributed.init(cfg)
+            if world is not None:
+                bind(rank=world.rank)
+            trainer = Trainer(cfg, resolve_model(cfg.model.path, cfg.model.cache_dir), world=world)
+            freeze_heap()
+            if trainer.main:
+                on_stop_signals(trainer.stop)
+                with telemetry.start(cfg, "trainer", cfg.trainer.name):
+                    trainer.run()
+            else:
+                # The other ranks stop when rank 0 says so, at a step's end (a terminal's ^C and hang-up reach every
+                # rank); SIGTERM, which only a supervisor sends them, ends them at once.
+                for sig in (signal.SIGINT, signal.SIGHUP):
+                    signal.signal(sig, signal.SIG_IGN)
                 trainer.run()
-        else:
-            # The other ranks stop when rank 0 says so, at a step's end (a terminal's ^C and hang-up reach every
-            # rank); SIGTERM, which only a supervisor sends them, ends them at once.
-            for sig in (signal.SIGINT, signal.SIGHUP):
-                signal.signal(sig, signal.SIG_IGN)
-            trainer.run()
-    except (ConfigError, NoWelcome, BrokerError) as exc:  # a setting it cannot use, no broker, or the broker's
-        log.error("trainer_failed", error=str(exc))  # refusal: said in one line, no traceback
-        raise
-    except StoppedBeforeWelcome:  # told to stop before the broker answered: nothing failed
-        raise
-    except Exception as exc:  # the log says why the trainer ended, not only stderr
-        log.exception("trainer_failed", error=P.brief(exc))
-        raise
     finally:
         distributed.close()

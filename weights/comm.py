@@ -109,7 +109,13 @@ class GlooComm:
                 work.wait(datetime.timedelta(seconds=ALIVE_EVERY_S) if alive else self.timeout)
                 return
             except RuntimeError as exc:
-                if alive is None or work.is_completed() or time.monotonic() > deadline:
+                if work.is_completed():  # it ended as the slice ran out ("Operation timed out!"): its own outcome
+                    try:
+                        work.wait()
+                        return
+                    except RuntimeError as failed:
+                        raise BroadcastError(f"gloo broadcast failed: {failed}") from failed
+                if alive is None or time.monotonic() > deadline:
                     raise BroadcastError(f"gloo broadcast failed: {exc}") from exc
             try:
                 alive()

@@ -10,10 +10,12 @@ directory ready and returns at once.
 `make_tiny(dir)` builds a small random model with the same tokenizer, for tests.
 `resolve_model(path)` turns `model.path` into something vLLM and transformers load.
 `rollout_dtype(setting)` is the dtype `rollout.dtype` stands for on this host (`with_rollout_dtype(cfg)`).
+`model_fingerprint(path)` tells models apart where a run needs them alike (HELLO's `rollout.model`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -187,3 +189,51 @@ def model_context(path: str) -> int | None:
     except Exception:  # a hub that cannot be reached: vLLM says so itself as the engine starts
         return None
     return value if isinstance(value, int) and value > 0 else None
+
+
+# The config fields that shape the weights a trainer publishes and an explorer loads.
+_SHAPE = ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+          "vocab_size")
+
+
+def model_fingerprint(path: str) -> str:
+    """`ARCHITECTURE LAYERSxHIDDEN vocab N #DIGEST` for a resolved model: its architecture, the shapes of its
+    weights and its tokenizer's vocabulary (token -> id), so that two hosts holding the same model in files
+    written apart agree, and models that cannot share weights or token ids do not. Weights are not read: two
+    fine-tunes of one base agree. "" where the files cannot be read here (a hub id not in the local cache)."""
+    config = _model_file(path, "config.json") if path else None
+    if config is None:
+        return ""
+    c = json.loads(config.read_text())
+    text = c.get("text_config") or c  # a multimodal model's language part
+    shape = {k: text.get(k) for k in _SHAPE}
+    shape["num_key_value_heads"] = shape["num_key_value_heads"] or shape["num_attention_heads"]
+    arch = str((c.get("architectures") or [c.get("model_type") or "model"])[0])[:128]
+    digest = hashlib.sha256(json.dumps([arch, shape]).encode())
+    digest.update(_vocabulary(path))
+    return f"{arch} {shape['num_hidden_layers']}x{shape['hidden_size']} vocab {shape['vocab_size']} " \
+           f"#{digest.hexdigest()[:12]}"
+
+
+def _model_file(path: str, name: str) -> Path | None:
+    if Path(path).is_dir():
+        found = Path(path) / name
+        return found if found.is_file() else None
+    try:  # a hub id: the copy vLLM or transformers downloaded
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(path, name)
+    except Exception:
+        return None
+    return Path(cached) if isinstance(cached, str) else None
+
+
+def _vocabulary(path: str) -> bytes:
+    """The tokenizer's token -> id map, in a form that does not depend on how its file was written."""
+    fast = _model_file(path, "tokenizer.json")
+    if fast is not None:
+        t = json.loads(fast.read_text())
+        added = sorted((a["id"], a["content"]) for a in t.get("added_tokens") or [])
+        return json.dumps([(t.get("model") or {}).get("vocab"), added], sort_keys=True).encode()
+    slow = _model_file(path, "tokenizer.model")  # sentencepiece
+    return slow.read_bytes() if slow is not None else b""

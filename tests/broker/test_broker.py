@@ -336,7 +336,7 @@ def test_rollout_settings_reach_peers_and_a_disagreeing_peer_is_refused(broker_f
     welcome = recv(sock)
     assert welcome.command == P.WELCOME
     assert welcome.header["rollout"] == {"temperature": 0.7, "top_p": 1.0, "max_tokens": 8, "dtype": "float32",
-                                         "repeat": 4, "seed": 0}
+                                         "repeat": 4, "seed": 0, "model": ""}  # no peer has said which model yet
     other = raw_dealer(b.address)
     other.send_multipart(P.encode(P.HELLO, {"role": "explorer", "name": "hotter", "req": 2,
                                             "rollout": {"temperature": 1.0, "repeat": 4}}))
@@ -370,6 +370,39 @@ def test_an_auto_dtype_run_takes_the_first_dtype_a_peer_reports_and_keeps_it_acr
     b.start()
     assert hello("after-restart", {"dtype": "bfloat16"}).header["code"] == "conflict"
     assert hello("agrees", {"dtype": "float32"}).command == P.WELCOME
+
+
+def test_the_first_peer_that_names_its_model_fixes_the_runs_and_a_peer_with_another_is_refused(broker_factory,
+                                                                                              raw_dealer):
+    """`rollout.model` is no setting: each peer reads it from its model's files. The first one given is the run's
+    (kept across a restart); a peer with another is refused naming the field and what to do, together with any
+    other difference; a peer that leaves it out, or gives "", is not checked."""
+    b = broker_factory("rollout.temperature=0.7")
+    run_model, other = "LlamaForCausalLM 2x128 vocab 49152 #d4fc23dff6cf", "LlamaForCausalLM 2x192 vocab 49152 #0055d"
+
+    def hello(name: str, rollout: dict) -> P.Message:
+        sock = raw_dealer(b.address)
+        sock.send_multipart(P.encode(P.HELLO, {"role": "explorer", "name": name, "req": 1, "rollout": rollout}))
+        return recv(sock)
+
+    assert hello("unknown", {"model": ""}).header["rollout"]["model"] == ""  # leaves it open
+    assert hello("trainer-like", {"model": run_model}).header["rollout"]["model"] == run_model
+    refused = hello("wrong-model", {"model": other})
+    assert refused.command == P.ERROR and refused.header["code"] == "conflict"
+    assert refused.header["message"] == (f"rollout.model: this peer has {other!r}, the run {run_model!r}: start it "
+                                         f"with the run's model (model.path), or use a new run directory for "
+                                         f"another model")
+    both = hello("wrong-twice", {"model": other, "temperature": 1.0}).header["message"]
+    assert "rollout.model:" in both and "rollout.temperature: this peer has 1.0, the run 0.7" in both
+    assert both.endswith("or leave them out to take the run's")
+    assert hello("silent", {}).command == P.WELCOME and hello("open", {"model": ""}).command == P.WELCOME
+    assert hello("too-long", {"model": "x" * 257}).header["code"] == "bad_field"
+    pinned = [e for e in b.log_events() if e["event"] == "rollout_model_pinned"]
+    assert [(e["model"], e["peer"]) for e in pinned] == [(run_model, "trainer-like")]
+    b.stop()
+    b.start()
+    assert hello("after-restart", {"model": other}).header["code"] == "conflict"
+    assert hello("same", {"model": run_model}).header["rollout"]["model"] == run_model
 
 
 def test_a_fresh_run_leases_no_task_before_the_explorers_it_waits_for_have_joined(broker_factory, clients):

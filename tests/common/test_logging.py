@@ -33,6 +33,21 @@ def test_console_view_still_writes_json_to_file(tmp_path):
     assert json.loads(sink.read_text())["event"] == "step_done"
 
 
+def test_an_event_for_the_file_only_is_not_written_to_the_stream(tmp_path):
+    """What a command also prints in its own words (`error: ...`) is not said twice on stderr."""
+    out = io.StringIO()
+    sink = tmp_path / "e.jsonl"
+    setup_logging("explorer", "info", "auto", sink, stream=out)
+    structlog.get_logger().error("explorer_failed", error="conflict: rollout.model differs", file_only=True)
+    structlog.get_logger().info("after")
+    assert [json.loads(line)["event"] for line in out.getvalue().splitlines()] == ["after"]
+    logged = [json.loads(line) for line in sink.read_text().splitlines()]
+    assert [e["event"] for e in logged] == ["explorer_failed", "after"] and "file_only" not in logged[0]
+    setup_logging("explorer", "info", "auto", None, stream=out)  # no file: the event goes nowhere
+    structlog.get_logger().error("explorer_failed", error="again", file_only=True)
+    assert "again" not in out.getvalue()
+
+
 def test_metrics_keep_significant_digits_not_decimal_places():
     from rlbus.common.logging import significant
 

@@ -270,3 +270,28 @@ def test_the_trainer_asks_for_huge_pages_before_torch_is_loaded():
     done = subprocess.run([sys.executable, "-c", TRAINER_START], env=env, cwd=REPO, capture_output=True, text=True,
                           timeout=120)
     assert done.stdout.split() == ["ConfigError", "1", "False"], done.stdout + done.stderr  # refused, set, no torch
+
+
+@pytest.mark.parametrize("raised, said", [
+    ("config", [("error", "model.path='x' is no model", False, True)]),
+    ("refused", [("error", "conflict: rollout.model differs", False, True)]),
+    ("crash", [("error", "AssertionError('shapes')", True, False)]),
+    ("stopped", []),
+])
+def test_why_a_process_ended_is_its_last_event_in_one_line_or_with_its_traceback(raised, said):
+    """A setting it cannot use and the broker's refusal are said in one line, in the log file only (the command
+    prints them as its `error: ...` line); anything else with its traceback; a stop before the broker answered is
+    no failure. The exception goes on either way (the command's exit code)."""
+    from structlog.testing import capture_logs
+
+    from rlbus.common.config import ConfigError
+    from rlbus.common.connection import BrokerError, StoppedBeforeWelcome
+    from rlbus.common.processes import failures_logged
+
+    exc = {"config": ConfigError("model.path='x' is no model"), "crash": AssertionError("shapes"),
+           "refused": BrokerError("conflict", "rollout.model differs"), "stopped": StoppedBeforeWelcome("")}[raised]
+    with capture_logs() as logs, pytest.raises(type(exc)):
+        with failures_logged("explorer_failed"):
+            raise exc
+    failed = [e for e in logs if e["event"] == "explorer_failed"]
+    assert [(e["log_level"], e["error"], "exc_info" in e, e.get("file_only", False)) for e in failed] == said

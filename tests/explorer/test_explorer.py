@@ -57,6 +57,28 @@ def test_explorer_leases_rolls_out_and_publishes(broker_factory, clients, engine
         assert set(body["timings"]) == {"queue_s", "generate_s", "reward_s"}
 
 
+def test_an_explorer_is_refused_by_a_run_of_another_model_and_joins_one_of_its_own(broker_factory, clients, engine,
+                                                                                   tiny_model, tmp_path):
+    """Its HELLO names the engine's model (`rollout.model`). A run whose trainer has another is no run for it:
+    trajectories of one model trained as another's, and then weights of the wrong shapes, which it died loading.
+    It is refused before it leases anything, naming the field; on a run of its own model it pins the model."""
+    from rlbus.common.client import BrokerError
+    from rlbus.weights.models import make_tiny, model_fingerprint
+
+    wider = model_fingerprint(str(make_tiny(tmp_path / "wider", tiny_model, hidden=192)))
+    b = broker_factory("rollout.repeat=4", "rollout.max_tokens=8", "data.batch_tasks=2")
+    clients(b, "trainer", "tr", rollout={"model": wider})
+    with pytest.raises(BrokerError, match=r"rollout\.model: this peer has 'LlamaForCausalLM 2x128 .*, the run "
+                                          r"'LlamaForCausalLM 2x192 .*use a new run directory"):
+        Explorer(explorer_config(b), engine, name="ex-other").run(max_batches=1)
+    tool = clients(b, "tool", "look")
+    assert tool.request(P.STATUS).header["tasks"]["leased"] == 0
+    own = broker_factory("rollout.repeat=4", "rollout.max_tokens=8", "data.batch_tasks=2")
+    assert Explorer(explorer_config(own), engine, name="ex-own").run(max_batches=1) == 1
+    pinned = [(e["model"], e["peer"]) for e in own.log_events() if e["event"] == "rollout_model_pinned"]
+    assert pinned == [(model_fingerprint(tiny_model), "ex-own")]
+
+
 def test_behaviour_logprobs_match_a_transformers_forward(engine, tiny_model):
     """The off-policy correction needs vLLM's logprobs to agree with the trainer's; tolerance 2e-3 (float32)."""
     import torch

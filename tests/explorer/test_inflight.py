@@ -151,6 +151,7 @@ class StragglerEngine:
     one. Records the most requests and sequences it ever held."""
 
     version, busy_s, paused_s, sequence_s, threads, max_model_len = 0, 0.0, 0.0, 0.0, 1, 1024
+    model = ""  # no model files: its HELLO leaves rollout.model open
 
     def __init__(self, long: int):
         self.long = long

@@ -361,6 +361,29 @@ def test_the_trainer_says_what_autocast_auto_chose_and_records_it_for_replay(bro
     assert record["autocast"] == chose["dtype"] and record["config"]["rollout"]["dtype"] == rollout_dtype("auto")
 
 
+def test_a_trainer_is_refused_by_a_run_of_another_model_and_pins_its_own_on_a_fresh_one(broker_factory, clients,
+                                                                                      tiny_model, tmp_path):
+    """Its HELLO names its model (`rollout.model`): an explorer of another model that joined first holds the run,
+    and the trainer is refused naming the field; on a fresh run the trainer's model is the run's."""
+    from rlbus.common.client import BrokerError
+    from rlbus.trainer.main import Trainer
+    from rlbus.weights.models import make_tiny, model_fingerprint
+
+    deeper = model_fingerprint(str(make_tiny(tmp_path / "deeper", tiny_model, layers=3)))
+    taken = broker_factory("rollout.repeat=4", "data.batch_tasks=2")
+    clients(taken, "explorer", "first", rollout={"model": deeper})
+    with closing(Trainer(trainer_config(taken, tmp_path / "a"), tiny_model)) as trainer:
+        with pytest.raises(BrokerError, match=r"rollout\.model: this peer has 'LlamaForCausalLM 2x128 .*, the run "
+                                              r"'LlamaForCausalLM 3x128 "):
+            trainer.connect()
+    fresh = broker_factory("rollout.repeat=4", "data.batch_tasks=2")
+    with closing(Trainer(trainer_config(fresh, tmp_path / "b"), tiny_model)) as trainer:
+        trainer.connect()
+        trainer.client.close(bye=False, timeout=1)
+    pinned = [(e["model"], e["peer"]) for e in fresh.log_events() if e["event"] == "rollout_model_pinned"]
+    assert pinned == [(model_fingerprint(tiny_model), "trainer")]
+
+
 def test_dr_grpo_aggregation_divides_each_sequences_token_sum_by_the_runs_max_tokens(tiny_model, tmp_path):
     """`seq-mean-token-sum-norm`: a step's loss and gradient are those of `seq-mean-token-sum` over
     rollout.max_tokens, whatever the micro-batch."""
