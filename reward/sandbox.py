@@ -5,7 +5,9 @@ Each test runs `python -I` in a fresh private directory with, in this order
 
 1. a new PID namespace, which ends with the program: the kernel then ends
    every process the program started, those that left its process group too
-   (the child forks into it, twice: its first process only waits);
+   (the child forks into it, twice: its first process only waits); where the
+   host allows none, the child forks once and stays above the program as its
+   subreaper instead, and kills what is left below it when the run ends;
 2. a new network namespace (only a down loopback inside: no network);
 3. when started as root, the user `nobody` (root ignores the process limit);
 4. resource limits: CPU seconds, address space, file size (which also caps
@@ -17,7 +19,9 @@ Each test runs `python -I` in a fresh private directory with, in this order
    no ptrace or process_vm_writev, so code running as the reward process's
    own user (a host where it is not root) cannot stop or alter it;
 
-and the parent kills the whole process group at the wall-clock timeout.
+and the parent ends the run at the wall-clock timeout: it kills the whole
+process group (the subreaper: it tells it, and kills the group should it not
+have ended within `SWEEP_S`).
 Failure reasons come from what the parent observes (exit status, signal,
 CPU time used, the wall clock), never from what the program prints: stderr is
 only quoted.
@@ -37,7 +41,6 @@ import ctypes
 import os
 import pwd
 import resource
-import select
 import shutil
 import signal
 import subprocess
@@ -51,10 +54,12 @@ from typing import Any
 
 import structlog
 
+from rlbus.reward.reaping import CLONE_NEWPID, SWEEP_S, ends_by, into_own_pid_namespace, under_subreaper
+
 log = structlog.get_logger()
 
 _libc = ctypes.CDLL(None, use_errno=True)
-CLONE_NEWNET, CLONE_NEWPID = 0x40000000, 0x20000000
+CLONE_NEWNET = 0x40000000
 PR_SET_PDEATHSIG = 1
 PR_SET_NO_NEW_PRIVS = 38
 PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
@@ -158,56 +163,13 @@ def capabilities() -> dict[str, bool]:
             "drop_to_nobody": os.geteuid() == 0, "no_signals": _SECCOMP is not None}
 
 
-def _into_own_pid_namespace() -> None:
-    """Fork twice into a new PID namespace: its first process (`init`) only waits, and the program is an ordinary
-    process beneath it. Once the program ends, init ends and with it the namespace: the kernel kills every
-    process left in it (a child that called setsid and slept would otherwise outlive the run, holding one of
-    `nobody`'s processes). The process outside waits for init and ends as the program did (its status passed on
-    a pipe); the parent's `wait4` counts the CPU time of all three."""
-    if _libc.unshare(CLONE_NEWPID) != 0:
-        os._exit(95)
-    said, say = os.pipe()
-    init = os.fork()
-    if init:  # outside the namespace
-        status = _wait_for(init, keep=said)
-        told = os.read(said, 16)
-        _end_as(int(told) if told else status)
-    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # killed outside (the wall clock): the namespace ends
-    program = os.fork()
-    if program:  # init: reaps every orphan of the program's until the program itself ends
-        os.write(say, str(_wait_for(program, keep=say)).encode())
-        os._exit(0)
-
-
-def _wait_for(pid: int, keep: int) -> int:
-    """In a process that only waits: the wait status of its child `pid`, reaping any other child on the way.
-    Every inherited descriptor but `keep` is closed first, Popen's pipe for exec errors among them: the parent
-    reads that pipe to its end to learn that the program started, and must not wait for this process instead."""
-    os.closerange(3, keep)
-    os.closerange(keep + 1, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    while True:
-        done, status = os.wait()
-        if done == pid:
-            return status
-
-
-def _end_as(status: int) -> None:
-    """End this process with the wait status `status`: the same exit code, or killed by the same signal."""
-    if os.WIFSIGNALED(status):
-        sig = os.WTERMSIG(status)
-        if sig != signal.SIGKILL:
-            signal.signal(sig, signal.SIG_DFL)
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, [sig])
-        os.kill(os.getpid(), sig)
-    os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
-
-
-def _confine(directory: str, limits: Limits, caps: dict[str, bool]) -> None:
+def _confine(directory: str, limits: Limits, caps: dict[str, bool], wake: int | None) -> None:
     """Runs in the child between fork and exec: every layer in order."""
     _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # the scoring thread gone, the program goes too
     if caps["pid_namespace"]:
-        _into_own_pid_namespace()
+        into_own_pid_namespace()
+    elif wake is not None:
+        under_subreaper(wake)
     if caps["network_namespace"] and _libc.unshare(CLONE_NEWNET) != 0:
         os._exit(97)
     if caps["drop_to_nobody"]:
@@ -255,23 +217,6 @@ class Run:
     timed_out: bool
     seconds: float
     cpu_s: float  # user + system CPU time of the program
-
-
-def _ends_by(pid: int, deadline: float) -> bool:
-    """Whether the child `pid` ends by `deadline` (monotonic), seen at once: a pidfd becomes readable when its
-    process ends (Linux 5.3; polled every 5 ms before)."""
-    try:
-        fd = os.pidfd_open(pid)
-    except OSError:
-        while time.monotonic() < deadline:
-            if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
-                return True
-            time.sleep(0.005)
-        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
-    try:
-        return bool(select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0])
-    finally:
-        os.close(fd)
 
 
 def _reason(run: Run, limits: Limits) -> str:
@@ -339,6 +284,8 @@ class Sandbox:
     def run_one(self, program: str, stdin: str = "") -> Run:
         """Run one program confined, up to the wall-clock limit; what the parent saw of it."""
         work = Path(tempfile.mkdtemp(prefix="rlbus-sandbox-", dir=self.root))
+        # Without a PID namespace, a pipe to the subreaper: written to at the wall clock, closed as the run ends.
+        wake = None if self.caps["pid_namespace"] else os.pipe()
         try:
             work.chmod(0o700)
             if self.caps["drop_to_nobody"]:
@@ -351,24 +298,31 @@ class Sandbox:
             started = time.monotonic()
             proc = subprocess.Popen([self.python, "-I", "main.py"], cwd=work, stdin=open(work / "stdin.txt"),
                                     stdout=out, stderr=err, env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
-                                    start_new_session=True, close_fds=True,
-                                    preexec_fn=lambda: _confine(str(work), self.limits, self.caps))
+                                    start_new_session=True, close_fds=True, pass_fds=wake[:1] if wake else (),
+                                    preexec_fn=lambda: _confine(str(work), self.limits, self.caps,
+                                                                wake[0] if wake else None))
             out.close()
             err.close()
-            status, usage, timed_out = self._wait(proc, started + self.limits.wall_s)
+            status, usage, timed_out = self._wait(proc, started + self.limits.wall_s, wake[1] if wake else None)
             seconds = time.monotonic() - started
             cap = self.limits.file_mb << 20
             read = lambda name: (work / name).read_bytes()[:cap].decode("utf-8", "replace")  # noqa: E731
             return Run(os.waitstatus_to_exitcode(status), read("stdout.txt"), read("stderr.txt"), timed_out,
                        seconds, usage.ru_utime + usage.ru_stime)
         finally:
+            for fd in wake or ():
+                os.close(fd)
             shutil.rmtree(work, ignore_errors=True)
 
     @staticmethod
-    def _wait(proc: subprocess.Popen, deadline: float):
-        """Reap the program (with its resource usage) by the deadline, then kill its whole group."""
-        timed_out = not _ends_by(proc.pid, deadline)
-        if timed_out:
+    def _wait(proc: subprocess.Popen, deadline: float, wake: int | None):
+        """Reap the program (with its resource usage) by the deadline, then kill its whole group. A subreaper
+        (`wake`) is told at the deadline, and ends the run itself: its group is killed only should it not
+        have ended within SWEEP_S."""
+        timed_out = not ends_by(proc.pid, deadline)
+        if timed_out and wake is not None:
+            os.write(wake, b"x")
+        if timed_out and (wake is None or not ends_by(proc.pid, time.monotonic() + SWEEP_S)):
             os.killpg(proc.pid, signal.SIGKILL)
         _, status, usage = os.wait4(proc.pid, 0)
         proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait again
