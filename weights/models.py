@@ -198,9 +198,10 @@ _SHAPE = ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attentio
 
 def model_fingerprint(path: str) -> str:
     """`ARCHITECTURE LAYERSxHIDDEN vocab N #DIGEST` for a resolved model: its architecture, the shapes of its
-    weights and its tokenizer's vocabulary (token -> id), so that two hosts holding the same model in files
-    written apart agree, and models that cannot share weights or token ids do not. Weights are not read: two
-    fine-tunes of one base agree. "" where the files cannot be read here (a hub id not in the local cache)."""
+    weights and its tokenizer's vocabulary (token -> id, as the tokenizer loads), so that two hosts holding the
+    same model in files written apart agree, and models that cannot share weights or token ids do not. Weights
+    are not read: two fine-tunes of one base agree. "" where the files cannot be read here (a hub id not in the
+    local cache)."""
     config = _model_file(path, "config.json") if path else None
     if config is None:
         return ""
@@ -229,11 +230,12 @@ def _model_file(path: str, name: str) -> Path | None:
 
 
 def _vocabulary(path: str) -> bytes:
-    """The tokenizer's token -> id map, in a form that does not depend on how its file was written."""
-    fast = _model_file(path, "tokenizer.json")
-    if fast is not None:
-        t = json.loads(fast.read_text())
-        added = sorted((a["id"], a["content"]) for a in t.get("added_tokens") or [])
-        return json.dumps([(t.get("model") or {}).get("vocab"), added], sort_keys=True).encode()
-    slow = _model_file(path, "tokenizer.model")  # sentencepiece
-    return slow.read_bytes() if slow is not None else b""
+    """The token -> id map of the tokenizer the processes load from `path`, whatever files hold it (a fast
+    tokenizer's JSON, written in any order, or a sentencepiece model); b"" where none loads."""
+    from transformers import AutoTokenizer
+
+    try:
+        vocab = AutoTokenizer.from_pretrained(path, local_files_only=True).get_vocab()  # a hub id: as cached
+    except Exception:  # no tokenizer: the shapes alone tell the model
+        return b""
+    return json.dumps(sorted(vocab.items())).encode()
