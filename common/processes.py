@@ -37,13 +37,13 @@ import structlog
 
 from rlbus.common.config import ConfigError
 from rlbus.common.connection import BrokerError, NoWelcome, StoppedBeforeWelcome
-from rlbus.common.protocol import brief
 
 @contextmanager
 def failures_logged(event: str) -> Iterator[None]:
     """Log why the process ends, if it fails inside, as `event` (e.g. `trainer_failed`), then raise again: one line
     in the log file for a setting it cannot use, no broker or the broker's refusal (which the command prints as
-    its `error: ...` line, so it is not said twice on stderr); the traceback, everywhere, for anything else."""
+    its `error: ...` line, so it is not said twice on stderr); the traceback, everywhere, for anything else, with
+    its message whole in `error` (up to 1000 characters: `rlbus up` and `rlbus logs` show it)."""
     log = structlog.get_logger()
     try:
         yield
@@ -53,7 +53,8 @@ def failures_logged(event: str) -> Iterator[None]:
         log.error(event, error=str(exc), file_only=True)
         raise
     except Exception as exc:
-        log.exception(event, error=brief(exc))
+        said = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        log.exception(event, error=said if len(said) <= 1000 else f"{said[:1000]}...")
         raise
 
 

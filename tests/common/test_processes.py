@@ -275,13 +275,16 @@ def test_the_trainer_asks_for_huge_pages_before_torch_is_loaded():
 @pytest.mark.parametrize("raised, said", [
     ("config", [("error", "model.path='x' is no model", False, True)]),
     ("refused", [("error", "conflict: rollout.model differs", False, True)]),
-    ("crash", [("error", "AssertionError('shapes')", True, False)]),
+    ("crash", [("error", "AssertionError: shapes", True, False)]),
+    ("bare", [("error", "AssertionError", True, False)]),  # as vLLM raised it, loading weights of other shapes
+    ("offline", [("error", f"OSError: We couldn't connect to 'https://huggingface.co' {'.' * 300}", True, False)]),
     ("stopped", []),
 ])
 def test_why_a_process_ended_is_its_last_event_in_one_line_or_with_its_traceback(raised, said):
     """A setting it cannot use and the broker's refusal are said in one line, in the log file only (the command
-    prints them as its `error: ...` line); anything else with its traceback; a stop before the broker answered is
-    no failure. The exception goes on either way (the command's exit code)."""
+    prints them as its `error: ...` line); anything else with its traceback and its message whole (a model hub
+    that could not be reached was said as `OSError("We couldn...on#offline-mode'.")`); a stop before the broker
+    answered is no failure. The exception goes on either way (the command's exit code)."""
     from structlog.testing import capture_logs
 
     from rlbus.common.config import ConfigError
@@ -289,6 +292,7 @@ def test_why_a_process_ended_is_its_last_event_in_one_line_or_with_its_traceback
     from rlbus.common.processes import failures_logged
 
     exc = {"config": ConfigError("model.path='x' is no model"), "crash": AssertionError("shapes"),
+           "bare": AssertionError(), "offline": OSError(f"We couldn't connect to 'https://huggingface.co' {'.' * 300}"),
            "refused": BrokerError("conflict", "rollout.model differs"), "stopped": StoppedBeforeWelcome("")}[raised]
     with capture_logs() as logs, pytest.raises(type(exc)):
         with failures_logged("explorer_failed"):
