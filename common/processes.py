@@ -38,6 +38,7 @@ import structlog
 from rlbus.common.config import ConfigError
 from rlbus.common.connection import BrokerError, NoWelcome, StoppedBeforeWelcome
 
+
 @contextmanager
 def failures_logged(event: str) -> Iterator[None]:
     """Log why the process ends, if it fails inside, as `event` (e.g. `trainer_failed`), then raise again: one line
