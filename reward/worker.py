@@ -21,7 +21,7 @@ from rlbus.common import protocol as P, telemetry
 from rlbus.common.client import BrokerClient, BrokerError, default_name
 from rlbus.common.config import ConfigError, RunConfig
 from rlbus.common.logging import bind
-from rlbus.common.processes import freeze_heap, on_stop_signals
+from rlbus.common.processes import failures_logged, freeze_heap, on_stop_signals
 from rlbus.reward.base import Response, RewardResult, evaluate, from_config, resolve
 
 log = structlog.get_logger()
@@ -156,10 +156,11 @@ class RemoteReward:
 
 def run(cfg: RunConfig, services: list[str], name: str | None = None) -> None:
     """Entry point of `rlbus reward`."""
-    worker = RewardWorker(cfg, services, name)
-    freeze_heap()  # a reward model's weights and imports
-    prometheus = telemetry.start(cfg, "reward", worker.name).prometheus
-    if prometheus is not None:
-        prometheus.add(worker)
-    on_stop_signals(worker.stop)
-    worker.run()
+    with failures_logged("reward_failed"):
+        worker = RewardWorker(cfg, services, name)
+        freeze_heap()  # a reward model's weights and imports
+        prometheus = telemetry.start(cfg, "reward", worker.name).prometheus
+        if prometheus is not None:
+            prometheus.add(worker)
+        on_stop_signals(worker.stop)
+        worker.run()

@@ -289,12 +289,19 @@ def test_a_worker_told_to_stop_while_no_broker_answers_stops_at_once(tmp_path):
 
 
 def test_a_reward_model_worker_without_a_model_it_can_load_says_so_in_one_line(tmp_path):
-    """Both were a traceback (a ValueError; the model hub's error for a path that is not there)."""
+    """Both were a traceback (a ValueError; the model hub's error for a path that is not there). The worker's log
+    file says it too (`reward_failed`: what `rlbus up` reports for it), stderr once."""
+    from rlbus.logview import events
+
     for sets, said in (([], "error: service rm needs reward.rm_path"),
                        ([f"reward.rm_path={tmp_path / 'nope'}"], f"error: reward.rm_path='{tmp_path / 'nope'}': no "
                                                                   "sequence-classification model loads from it")):
+        log = tmp_path / f"reward-{len(sets)}.jsonl"
+        sets = [*sets, "logging.format=json", f"logging.file={log}"]
         done = subprocess.run([sys.executable, "-m", "rlbus.cli", "reward", "--broker", "tcp://127.0.0.1:1",
                                "--service", "rm", *[a for s in sets for a in ("--set", s)]],
                               capture_output=True, text=True, timeout=120)
         assert done.returncode == 2 and done.stderr.startswith(said), done.stderr[-2000:]
         assert len(done.stderr.splitlines()) == 1, done.stderr[-2000:]
+        failed = [e["error"] for e in events(log, "reward_failed")]
+        assert len(failed) == 1 and done.stderr == f"error: {failed[0]}\n"
