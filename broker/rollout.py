@@ -38,14 +38,15 @@ class RunRollout:
             if self.settings[field] == unset:
                 self.settings[field] = catalog.get_meta(_pin_key(field), unset)
 
-    def differences(self, given: dict[str, Any]) -> list[str]:
-        """What a peer's own settings say otherwise than the run's, one line per field (none: it may join)."""
-        out = []
+    def differences(self, given: dict[str, Any]) -> dict[str, str]:
+        """What a peer's own settings say otherwise than the run's: field -> the line that says so (none: it may
+        join)."""
+        out = {}
         for key, value in given.items():
             run = self.settings.get(key)
             if key not in FIELDS or value == run or (key in OPEN and OPEN[key] in (value, run)):
                 continue
-            out.append(f"rollout.{key}: this peer has {value!r}, the run {run!r}")
+            out[key] = f"rollout.{key}: this peer has {value!r}, the run {run!r}"
         return out
 
     def refusal(self, given: dict[str, Any]) -> str | None:
@@ -53,10 +54,10 @@ class RunRollout:
         differs = self.differences(given)
         if not differs:
             return None
-        remedies = [_REMEDY[k] for k in _REMEDY if any(d.startswith(f"rollout.{k}:") for d in differs)]
+        remedies = [_REMEDY[k] for k in differs if k in _REMEDY]
         if len(remedies) < len(differs):
             remedies.append("start it with the run's rollout settings, or leave them out to take the run's")
-        return f"{'; '.join(differs)}: {'; '.join(remedies)}"
+        return f"{'; '.join(differs.values())}: {'; '.join(remedies)}"
 
     def admit(self, given: dict[str, Any], peer: str) -> None:
         """A peer without differences joins: the open fields it reports become the run's.
