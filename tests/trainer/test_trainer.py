@@ -205,13 +205,24 @@ def test_first_step_waits_for_the_explorers_it_was_told_of(broker_factory, clien
     ex.put(synthetic("g1") + synthetic("g2"), timeout=10)
     cfg = trainer_config(b, tmp_path, "sync.sync_style=async", "sync.max_staleness=4", "trainer.total_steps=1")
     trainer = Trainer(cfg, tiny_model)
-    late = threading.Timer(1.5, lambda: clients(b, "explorer", "late"))
     with capture_logs() as logs:
+
+        def join_once_waited_for():  # the late explorer joins once the trainer has said it waits, however slow it is
+            deadline = time.monotonic() + 30
+            while not any(e["event"] == "waiting_for_explorers" for e in list(logs)):
+                if time.monotonic() > deadline:
+                    return
+                time.sleep(0.05)
+            clients(b, "explorer", "late")
+
+        late = threading.Thread(target=join_once_waited_for, daemon=True)
         late.start()
         assert trainer.run() == 1
+        late.join(timeout=10)
     names = [e["event"] for e in logs]
+    waiting = next(e for e in logs if e["event"] == "waiting_for_explorers")
     joined = next(e for e in logs if e["event"] == "explorers_joined")
-    assert joined["explorers"] == ["early", "late"] and joined["waited_s"] >= 1.0
+    assert waiting["explorers"] == ["early"] and joined["explorers"] == ["early", "late"]
     assert names.index("waiting_for_explorers") < names.index("explorers_joined") < names.index("train_step")
 
 
