@@ -39,6 +39,9 @@ from rlbus.common.config import ConfigError
 from rlbus.common.connection import BrokerError, NoWelcome, StoppedBeforeWelcome
 
 
+TRACEBACK_LOGGED = "rlbus_traceback_logged"  # set on an exception whose traceback failures_logged has logged
+
+
 @contextmanager
 def failures_logged(event: str) -> Iterator[None]:
     """Log why the process ends, if it fails inside, as `event` (e.g. `trainer_failed`), then raise again: one line
@@ -56,6 +59,7 @@ def failures_logged(event: str) -> Iterator[None]:
     except Exception as exc:
         said = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         log.exception(event, error=said if len(said) <= 1000 else f"{said[:1000]}...")
+        setattr(exc, TRACEBACK_LOGGED, True)  # the command ends with exit 1 without printing it again
         raise
 
 

@@ -99,8 +99,7 @@ def up(config: ConfigArg = None, set: SetOpt = None) -> None:
     _logging(cfg, "up")
     from rlbus.launcher import run
 
-    code = run(cfg)
-    raise typer.Exit(code)
+    raise typer.Exit(run(cfg))
 
 
 @app.command()
@@ -151,8 +150,7 @@ def reward(config: ConfigArg = None, set: SetOpt = None, broker: BrokerOpt = Non
 
 
 @app.command()
-def mirror(config: ConfigArg = None, set: SetOpt = None,
-           broker: BrokerOpt = None,
+def mirror(config: ConfigArg = None, set: SetOpt = None, broker: BrokerOpt = None,
            dir: Annotated[Path, typer.Option(help="Where the mirrored versions are kept.")] = Path("mirror"),
            host: Annotated[str, typer.Option(
                help="Interface to bind (0.0.0.0: every IPv4 one; ::, every one).")] = "127.0.0.1",
@@ -189,8 +187,7 @@ def mirror(config: ConfigArg = None, set: SetOpt = None,
 
 
 @app.command()
-def status(config: ConfigArg = None, set: SetOpt = None,
-           broker: BrokerOpt = None,
+def status(config: ConfigArg = None, set: SetOpt = None, broker: BrokerOpt = None,
            timeout: Annotated[float, typer.Option(help="Seconds to wait for the broker.")] = 5.0) -> None:
     """Print the broker's STATUS (peers, versions, buffer depth, leases) as JSON."""
     if not 0 < timeout < float("inf"):  # NaN too: it waited for ever
@@ -382,6 +379,7 @@ def main() -> None:
     except Exception as exc:  # said in one line, not a traceback:
         from rlbus.common.config import ConfigError
         from rlbus.common.connection import BrokerError, NoWelcome, StoppedBeforeWelcome
+        from rlbus.common.processes import TRACEBACK_LOGGED
 
         if isinstance(exc, ConfigError):  # found on loading the config or by the command that takes it (a model
             code = 2  # path that is no model, a missing key file); exit 2, the log has the details
@@ -390,6 +388,8 @@ def main() -> None:
         elif isinstance(exc, StoppedBeforeWelcome):  # told to stop while the broker was not there yet
             typer.echo(str(exc), err=True)
             raise SystemExit(0) from None
+        elif getattr(exc, TRACEBACK_LOGGED, False):  # its log event has said it, traceback and all, on stderr too
+            raise SystemExit(1) from None
         else:
             raise
         typer.echo(f"error: {exc}", err=True)

@@ -61,3 +61,36 @@ def test_rlbus_status_without_a_broker_says_so_in_one_line():
                            "--timeout", "6"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and done.stderr.startswith("error: no WELCOME from the broker"), done.stderr
     assert len(done.stderr.splitlines()) == 1, done.stderr
+
+
+def test_a_trainer_given_a_model_it_cannot_load_says_why_once(tiny_model, tmp_path):
+    """A model directory without weights is a setting it cannot use: one `error: ...` line, exit 2 (it was a
+    100-line traceback). Weights that do not load are an unexpected failure: its `trainer_failed` event carries the
+    traceback, and the interpreter no longer prints it a second time; exit 1."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    from tests.conftest import free_port
+
+    model = tmp_path / "model"
+    model.mkdir()
+    shutil.copy(f"{tiny_model}/config.json", model)
+
+    def trainer() -> subprocess.CompletedProcess:
+        port = free_port()
+        return subprocess.run([sys.executable, "-m", "rlbus.cli", "trainer", "--set", f"model.path={model}",
+                               "--set", f"run.dir={tmp_path / 'run'}", "--set", f"broker.port={port}",
+                               "--set", f"broker.pub_port={free_port()}", "--set", "logging.format=json"],
+                              capture_output=True, text=True, timeout=120)
+
+    done = trainer()
+    assert done.returncode == 2 and done.stderr == (f"error: model.path='{model}' has a config.json but no weight "
+                                                    "files (.safetensors, .bin, .pt, .pth); give a whole HF model "
+                                                    "directory\n"), done.stderr
+    (model / "model.safetensors").write_text("not a safetensors file\n")
+    done = trainer()
+    assert done.returncode == 1 and done.stderr.count("Traceback (most recent call last)") == 1, done.stderr
+    failed = json.loads(done.stderr.splitlines()[-1])
+    assert failed["event"] == "trainer_failed" and failed["error"].startswith("SafetensorError: ")

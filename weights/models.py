@@ -162,6 +162,9 @@ def make_tiny(directory: str | Path, tokenizer_from: str | Path, layers: int = 2
     return out
 
 
+_WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth")  # what vLLM and transformers load a model's weights from
+
+
 def resolve_model(path: str, cache_dir: str = "") -> str:
     """`model.path` as vLLM and transformers take it: a bundled name, a local directory, or a hub id."""
     if path in BUNDLED:
@@ -169,6 +172,9 @@ def resolve_model(path: str, cache_dir: str = "") -> str:
     if Path(path).is_dir():
         if not (Path(path) / "config.json").exists():
             raise ConfigError(f"model.path={path!r} is a directory without config.json; give an HF model directory")
+        if not any(f.suffix in _WEIGHT_FILES for f in Path(path).iterdir()):
+            raise ConfigError(f"model.path={path!r} has a config.json but no weight files ({', '.join(_WEIGHT_FILES)}); "
+                              "give a whole HF model directory")
         return str(Path(path).resolve())
     if path.count("/") == 1 and not path.startswith((".", "/")):
         return path  # a hub id; loading it needs a reachable hub

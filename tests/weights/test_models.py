@@ -6,7 +6,10 @@ import json
 import shutil
 from pathlib import Path
 
-from rlbus.weights.models import make_tiny, model_fingerprint
+import pytest
+
+from rlbus.common.config import ConfigError
+from rlbus.weights.models import make_tiny, model_fingerprint, resolve_model
 
 
 def copy_written_apart(src: str, dst: Path) -> Path:
@@ -58,3 +61,15 @@ def test_a_model_whose_files_are_not_here_has_no_fingerprint(tmp_path, monkeypat
     assert model_fingerprint("someone/not-downloaded") == ""
     assert model_fingerprint("") == ""  # a stand-in engine's
     assert model_fingerprint(str(tmp_path)) == ""  # a directory without config.json
+
+
+def test_a_model_directory_is_one_with_a_config_and_weights(tiny_model, tmp_path):
+    """vLLM and transformers each said a directory without weights in a traceback of their own."""
+    assert resolve_model(tiny_model) == str(Path(tiny_model).resolve())
+    with pytest.raises(ConfigError, match="without config.json"):
+        resolve_model(str(tmp_path))
+    shutil.copy(f"{tiny_model}/config.json", tmp_path)
+    with pytest.raises(ConfigError, match=r"has a config.json but no weight files \(.safetensors, .bin"):
+        resolve_model(str(tmp_path))
+    (tmp_path / "pytorch_model.bin").write_bytes(b"")
+    assert resolve_model(str(tmp_path)) == str(tmp_path.resolve())
