@@ -154,10 +154,10 @@ def mirror(config: ConfigArg = None, set: SetOpt = None, broker: BrokerOpt = Non
            dir: Annotated[Path, typer.Option(help="Where the mirrored versions are kept.")] = Path("mirror"),
            host: Annotated[str, typer.Option(
                help="Interface to bind (0.0.0.0: every IPv4 one; ::, every one).")] = "127.0.0.1",
-           port: Annotated[int, typer.Option(help="Port to bind (0: a free one, printed).")] = 0,
+           port: Annotated[int, typer.Option(min=0, max=65535, help="Port to bind (0: a free one, printed).")] = 0,
            advertise: Annotated[str, typer.Option(help="The host explorers dial (default: --host, or this "
                                                        "machine's name for 0.0.0.0 or ::).")] = "",
-           keep: Annotated[int, typer.Option(help="Versions kept (explorers take deltas against them).")] = 3,
+           keep: Annotated[int, typer.Option(min=2, help="Versions kept (explorers take deltas against them).")] = 3,
            deltas: Annotated[bool, typer.Option(
                help="Take deltas from the trainer when it has them ready, for a mirror on a slow link to it "
                     "(default: whole versions, and no delta builds on the trainer's host).")] = False,
@@ -166,9 +166,6 @@ def mirror(config: ConfigArg = None, set: SetOpt = None, broker: BrokerOpt = Non
 
     Explorers whose explorer.fetch_from names this mirror fetch from it: the trainer sends each version once."""
     cfg = _load(config, _with_broker(set, broker))
-    if keep < 2 or not 0 <= port <= 65535:
-        typer.echo("error: --keep is 2 or more and --port 0 to 65535", err=True)
-        raise typer.Exit(2)
     from rlbus.common.sections import checked_host
 
     try:
@@ -335,8 +332,10 @@ def config_show(config: ConfigArg = None, set: SetOpt = None) -> None:
 
 @config_app.command("check")
 def config_check(config: ConfigArg = None, set: SetOpt = None) -> None:
-    """Validate a configuration; exit 2 with the reason if it is not usable."""
-    _load(config, set)
+    """Validate a configuration and what a run reads besides (taskset files, reward functions); exit 2 if unusable."""
+    from rlbus.launcher import check_inputs
+
+    check_inputs(_load(config, set))
     typer.echo("ok")
 
 

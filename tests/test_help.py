@@ -94,3 +94,36 @@ def test_a_trainer_given_a_model_it_cannot_load_says_why_once(tiny_model, tmp_pa
     assert done.returncode == 1 and done.stderr.count("Traceback (most recent call last)") == 1, done.stderr
     failed = json.loads(done.stderr.splitlines()[-1])
     assert failed["event"] == "trainer_failed" and failed["error"].startswith("SafetensorError: ")
+
+
+def test_rlbus_config_check_reads_the_taskset_a_run_would(tmp_path):
+    """It said `ok` to a taskset file the broker then refused at its start."""
+    import subprocess
+    import sys
+
+    rows = tmp_path / "tasks.jsonl"
+
+    def check(text: str) -> subprocess.CompletedProcess:
+        rows.write_text(text)
+        return subprocess.run([sys.executable, "-m", "rlbus.cli", "config", "check", "--set", "data.taskset=file",
+                               "--set", f"data.path={rows}"], capture_output=True, text=True, timeout=60)
+
+    done = check('{"question": "1+1", "answer": "2"}\n')
+    assert done.returncode == 2 and done.stderr == (f"error: data.path: taskset file {rows}: row 1 has no field "
+                                                    "'prompt'; its fields are ['answer', 'question'] (set "
+                                                    "data.prompt_field / data.answer_field)\n"), done.stderr
+    done = check('{"prompt": "1+1", "answer": "2"}\n')  # and no reward for its rows
+    assert done.returncode == 2 and done.stderr.startswith("error: reward.fn: auto scores each task by the reward "
+                                                           "its kind names"), done.stderr
+    done = check('{"prompt": "1+1", "answer": "2", "kind": "math"}\n')
+    assert (done.returncode, done.stdout, done.stderr) == (0, "ok\n", "")
+
+
+@pytest.mark.parametrize("option", [["--keep", "1"], ["--port", "65536"], ["--port", "-1"]])
+def test_rlbus_mirror_refuses_what_it_cannot_keep_or_bind_before_it_starts(option):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "rlbus.cli", "mirror", *option], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2 and f"Invalid value for '{option[0]}'" in done.stderr, done.stderr
