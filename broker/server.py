@@ -236,7 +236,8 @@ class Broker:
         refusal = self.rollout.refusal(h.get("rollout", {}))
         if refusal:  # it would sample, or train, otherwise than the trainer's importance weights assume
             return self.reply(identity, msg, P.ERROR, {"code": "conflict", "message": refusal})
-        self.rollout.admit(h.get("rollout", {}), h["name"])  # before any change: it may be refused for the disk
+        if h["role"] != "tool":  # a tool that sends one only asks whether such a peer would be admitted
+            self.rollout.admit(h.get("rollout", {}), h["name"])  # before any change: it may be refused for the disk
         if h["role"] == "trainer":
             self.bus.finish(False)  # a trainer back on a finished run: it goes on (recorded before any change too)
         previous = self.peers.get(identity)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import uuid
 
 import structlog
 import zmq
@@ -24,7 +25,7 @@ log = structlog.get_logger()
 class Writer:
     def __init__(self, store: Store, ctx: zmq.Context):
         self.store = store
-        self.address = f"inproc://rlbus-writer-{id(self)}"
+        self.address = f"inproc://rlbus-writer-{uuid.uuid4().hex}"  # not id(): see BrokerClient's wake address
         self.done = ctx.socket(zmq.PULL)
         self.done.bind(self.address)
         self._ctx = ctx

@@ -113,7 +113,8 @@ class BrokerClient(Connection):
         self._stopping = False
         self._waits: dict[Future, str] = {}  # requests a caller of `request` waits on, and their commands
         self._give_up: frozenset[str] = frozenset()  # commands whose waits `stopping` ended
-        self._wake_addr = f"inproc://rlbus-client-{id(self)}"
+        # Not named by id(): a client made after one is closed may get its id while ZeroMQ still holds its address.
+        self._wake_addr = f"inproc://rlbus-client-{uuid.uuid4().hex}"
         self._wake_rx = self.ctx.socket(zmq.PAIR)
         self._wake_rx.bind(self._wake_addr)
         self._wake_tx = self.ctx.socket(zmq.PAIR)
@@ -241,3 +242,17 @@ class BrokerClient(Connection):
             self._wake_rx.close(0)
 
     # ---- the I/O thread ---------------------------------------------------
+
+
+def check_admission(address: str, rollout: dict[str, Any], wait_s: float = 3.0, **keys: str) -> None:
+    """Ask the broker, as a tool, whether a peer with these rollout settings would be admitted, before the process
+    loads its model (seconds; minutes for a large one on a GPU), so that a refusal comes first: raises its
+    BrokerError (`conflict`, naming each field that differs). A tool's HELLO pins nothing. A broker that does not
+    answer within `wait_s` refuses nothing: the process goes on, and says HELLO once it is ready."""
+    client = BrokerClient(address, "tool", rollout=rollout, **keys)
+    try:
+        client.start(wait_s)
+    except NoWelcome:
+        client.close(bye=False, timeout=1)
+        return
+    client.close()

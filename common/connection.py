@@ -318,9 +318,11 @@ class Connection:
         once it has expired (`retry_after_s`); anything else reaches the caller of `start` at once."""
         error = BrokerError(h.get("code", "?"), h.get("message", ""))
         retry = h.get("retry_after_s")
-        log.warning("hello_refused", peer=self.name, code=error.code, reason=error.message, retry_after_s=retry)
         first = not self._welcomed.is_set()
-        if isinstance(retry, (int, float)) and (not first or time.monotonic() + retry < self._start_deadline):
+        retried = isinstance(retry, (int, float)) and (not first or time.monotonic() + retry < self._start_deadline)
+        log.warning("hello_refused", peer=self.name, code=error.code, reason=error.message, retry_after_s=retry,
+                    file_only=first and not retried)  # the caller of `start` says that one (as its `error: ...`)
+        if retried:
             self._retry_hello_at = time.monotonic() + retry
             self._refused = error  # what `start` says if its time runs out before a retry is welcomed
             return

@@ -49,7 +49,7 @@ from typing import Any, Callable
 import structlog
 
 from rlbus.common import cores, metrics, protocol as P, telemetry
-from rlbus.common.client import BrokerClient, BrokerError, BrokerUnreachable, default_name
+from rlbus.common.client import BrokerClient, BrokerError, BrokerUnreachable, check_admission, default_name
 from rlbus.common.config import RunConfig
 from rlbus.common.logging import bind
 from rlbus.common.processes import failures_logged, freeze_heap, on_stop_signals
@@ -91,8 +91,9 @@ class Explorer:
         self.client = BrokerClient(b.address, "explorer", self.name, bus_address=self.cfg.bus_address(),
                                    heartbeat_interval_s=b.heartbeat_interval_s, liveness=b.liveness,
                                    policy_version=self.engine.version, capabilities=self._capabilities(),
-                                   rollout=self._rollout_given(), curve_server_key=b.curve_server_key,
-                                   curve_client_key=b.curve_client_key, on_weights=lambda state: self.announced.set())
+                                   rollout=rollout_given(self.cfg, self.engine.model),
+                                   curve_server_key=b.curve_server_key, curve_client_key=b.curve_client_key,
+                                   on_weights=lambda state: self.announced.set())
         welcome = self.client.start(timeout=60)
         if self.cfg.reward.service:
             from rlbus.reward.worker import RemoteReward
@@ -106,13 +107,6 @@ class Explorer:
         log.info("explorer_connected", run_id=welcome["run_id"], weights_version=welcome["weights"]["version"],
                  sync=welcome["sync"])
         return welcome
-
-    def _rollout_given(self) -> dict[str, Any]:
-        """The rollout settings this explorer was configured with (by file, environment or --set); the others it
-        takes from the run. The engine's dtype, seed and model are always given: the engine was built with them."""
-        given = self.cfg.rollout.model_fields_set | {"dtype", "seed"}
-        r = {k: v for k, v in self.cfg.rollout.model_dump().items() if k in given}
-        return r | {"model": model_fingerprint(self.engine.model)}
 
     def _capabilities(self) -> dict[str, Any]:
         if self.cfg.explorer.receive != "auto":
@@ -345,6 +339,14 @@ class Explorer:
                      rollout_s=round(rollout_s, 3), in_flight=self.engine.in_flight, core_wait=core_wait)
 
 
+def rollout_given(cfg: RunConfig, model: str) -> dict[str, Any]:
+    """The rollout settings an explorer was configured with (by file, environment or --set); the others it takes
+    from the run. The engine's dtype, seed and model are always given: the engine is built with them."""
+    given = cfg.rollout.model_fields_set | {"dtype", "seed"}
+    r = {k: v for k, v in cfg.rollout.model_dump().items() if k in given}
+    return r | {"model": model_fingerprint(model)}
+
+
 def _unacknowledged(puts: list[Future]) -> list[Future]:
     """The PUTs not acknowledged yet; raises the error of one that failed (the list is left as it was)."""
     for future in puts:
@@ -361,7 +363,9 @@ def run(cfg: RunConfig) -> None:
         cfg = with_rollout_dtype(cfg)  # the engine computes in it
         reward_fn = from_config(cfg.reward)  # a reward that cannot load, or a bad held-out file: said before the engine
         held_out = make_taskset(cfg.data, eval_set=True) if cfg.explorer.eval_every else None
-        path, x = resolve_model(cfg.model.path, cfg.model.cache_dir), cfg.explorer
+        path, x, b = resolve_model(cfg.model.path, cfg.model.cache_dir), cfg.explorer, cfg.broker
+        check_admission(b.address, rollout_given(cfg, path), curve_server_key=b.curve_server_key,
+                        curve_client_key=b.curve_client_key)  # a refusal before the engine loads the model
         engine = Engine(path, seed=cfg.rollout.seed, dtype=cfg.rollout.dtype, memory_fraction=x.memory_fraction,
                         max_model_len=context_tokens(x.max_model_len, cfg.rollout.max_tokens, model_context(path)),
                         kv_cache_mb=x.kv_cache_mb, core=x.engine_core, swap_kv=x.swap_kv,

@@ -96,6 +96,36 @@ def test_a_trainer_given_a_model_it_cannot_load_says_why_once(tiny_model, tmp_pa
     assert failed["event"] == "trainer_failed" and failed["error"].startswith("SafetensorError: ")
 
 
+@pytest.mark.parametrize("role", ["explorer", "trainer"])
+def test_a_process_of_another_model_than_the_runs_is_refused_before_it_loads_its_own(role, broker_factory, clients,
+                                                                                      tiny_model, tmp_path):
+    """It asks the broker, as a tool, before its engine or its model loads (seconds here, minutes for a large model
+    on a GPU), and ends with the broker's refusal, which was said only once it had loaded it; the ask pins nothing."""
+    import subprocess
+    import sys
+
+    from rlbus.logview import events
+    from rlbus.weights.models import make_tiny, model_fingerprint
+
+    wider = model_fingerprint(str(make_tiny(tmp_path / "wider", tiny_model, hidden=192)))
+    b = broker_factory()
+    clients(b, "trainer" if role == "explorer" else "explorer", "pins", rollout={"model": wider})
+    log = tmp_path / f"{role}.jsonl"
+    done = subprocess.run([sys.executable, "-m", "rlbus.cli", role, "--broker", b.address, "--set",
+                           f"broker.pub_port={b.pub_port}", "--set", f"model.path={tiny_model}", "--set",
+                           f"run.dir={tmp_path / 'run'}", "--set", "rollout.dtype=float32", "--set",
+                           "logging.format=json", "--set", f"logging.file={log}"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr == (f"error: conflict: rollout.model: this peer has '{model_fingerprint(tiny_model)}', the "
+                           f"run '{wider}': start it with the run's model (model.path), or use a new run directory "
+                           f"for another model\n"), done.stderr  # one line
+    refused, failed = events(log)  # no engine_started, nothing of a model loaded
+    assert refused["event"] == "hello_refused" and refused["peer"].startswith("tool-")  # the ask's refusal
+    assert failed["event"] == f"{role}_failed"
+    assert [e["peer"] for e in b.log_events() if e["event"] == "rollout_model_pinned"] == ["pins"]
+
+
 def test_rlbus_config_check_reads_the_taskset_a_run_would(tmp_path):
     """It said `ok` to a taskset file the broker then refused at its start."""
     import subprocess

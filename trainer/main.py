@@ -38,12 +38,13 @@ import time
 from concurrent.futures import CancelledError, ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import structlog
 import torch
 
 from rlbus.common import protocol as P
-from rlbus.common.client import BrokerClient, BrokerError, BrokerUnreachable
+from rlbus.common.client import BrokerClient, BrokerError, BrokerUnreachable, check_admission
 from rlbus.common.config import RunConfig
 from rlbus.common import metrics as metrics_sink, telemetry
 from rlbus.common.logging import bind
@@ -275,14 +276,12 @@ class Trainer(Learner):
     # ---- the process ------------------------------------------------------
 
     def connect(self) -> None:
-        b, r = self.cfg.broker, self.cfg.rollout
+        b = self.cfg.broker
         self.client = BrokerClient(b.address, "trainer", self.cfg.trainer.name, bus_address=None,
                                    heartbeat_interval_s=b.heartbeat_interval_s, liveness=b.liveness,
                                    policy_version=self.version, curve_server_key=b.curve_server_key,
                                    curve_client_key=b.curve_client_key,
-                                   # what its importance weights and published weights assume: the broker checks
-                                   rollout={"temperature": r.temperature, "dtype": r.dtype,
-                                            "model": model_fingerprint(self.model_path)})
+                                   rollout=rollout_given(self.cfg, self.model_path))
         welcome = self.client.start(timeout=60)
         self.broker_version = welcome["weights"]["version"]
         if self.broker_version > self.version:
@@ -362,6 +361,12 @@ class Trainer(Learner):
         return done
 
 
+def rollout_given(cfg: RunConfig, model_path: str) -> dict[str, Any]:
+    """What the trainer's importance weights and published weights assume, for the broker to check."""
+    r = with_rollout_dtype(cfg).rollout
+    return {"temperature": r.temperature, "dtype": r.dtype, "model": model_fingerprint(model_path)}
+
+
 def run(cfg: RunConfig) -> None:
     """Entry point of `rlbus trainer` on one process, and of each rank of a sharded one (with RANK and
     WORLD_SIZE set: by `rlbus.trainer.ranks` or torchrun)."""
@@ -372,7 +377,11 @@ def run(cfg: RunConfig) -> None:
             world = distributed.init(cfg)
             if world is not None:
                 bind(rank=world.rank)
-            trainer = Trainer(cfg, resolve_model(cfg.model.path, cfg.model.cache_dir), world=world)
+            path, b = resolve_model(cfg.model.path, cfg.model.cache_dir), cfg.broker
+            if world is None or world.rank == 0:  # a refusal before the model loads
+                check_admission(b.address, rollout_given(cfg, path), curve_server_key=b.curve_server_key,
+                                curve_client_key=b.curve_client_key)
+            trainer = Trainer(cfg, path, world=world)
             freeze_heap()
             if trainer.main:
                 on_stop_signals(trainer.stop)

@@ -15,6 +15,7 @@ directory ready and returns at once.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -202,6 +203,7 @@ _SHAPE = ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attentio
           "vocab_size")
 
 
+@functools.lru_cache(maxsize=8)  # a process asks twice: before it loads its model, and as it joins
 def model_fingerprint(path: str) -> str:
     """`ARCHITECTURE LAYERSxHIDDEN vocab N #DIGEST` for a resolved model: its architecture, the shapes of its
     weights and its tokenizer's vocabulary (token -> id, as the tokenizer loads), so that two hosts holding the

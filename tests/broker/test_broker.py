@@ -376,17 +376,20 @@ def test_the_first_peer_that_names_its_model_fixes_the_runs_and_a_peer_with_anot
                                                                                               raw_dealer):
     """`rollout.model` is no setting: each peer reads it from its model's files. The first one given is the run's
     (kept across a restart); a peer with another is refused naming the field and what to do, together with any
-    other difference; a peer that leaves it out, or gives "", is not checked."""
+    other difference; a peer that leaves it out, or gives "", is not checked. A tool's HELLO is checked as any
+    peer's and pins nothing (a process asks so before it loads its model)."""
     b = broker_factory("rollout.temperature=0.7")
     run_model, other = "LlamaForCausalLM 2x128 vocab 49152 #d4fc23dff6cf", "LlamaForCausalLM 2x192 vocab 49152 #0055d"
 
-    def hello(name: str, rollout: dict) -> P.Message:
+    def hello(name: str, rollout: dict, role: str = "explorer") -> P.Message:
         sock = raw_dealer(b.address)
-        sock.send_multipart(P.encode(P.HELLO, {"role": "explorer", "name": name, "req": 1, "rollout": rollout}))
+        sock.send_multipart(P.encode(P.HELLO, {"role": role, "name": name, "req": 1, "rollout": rollout}))
         return recv(sock)
 
     assert hello("unknown", {"model": ""}).header["rollout"]["model"] == ""  # leaves it open
+    assert hello("asks", {"model": other}, role="tool").header["rollout"]["model"] == ""  # a tool pins nothing
     assert hello("trainer-like", {"model": run_model}).header["rollout"]["model"] == run_model
+    assert hello("asks-again", {"model": other}, role="tool").header["code"] == "conflict"  # but is answered
     refused = hello("wrong-model", {"model": other})
     assert refused.command == P.ERROR and refused.header["code"] == "conflict"
     assert refused.header["message"] == (f"rollout.model: this peer has {other!r}, the run {run_model!r}: start it "

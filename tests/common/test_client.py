@@ -411,3 +411,37 @@ def test_stopping_gives_up_a_fetch_the_broker_holds_and_loses_nothing(broker, cl
     reply = again.request(P.FETCH, {"step": 0, "max_groups": 1, "wait_ms": 5_000}, timeout=30)
     assert reply.command == P.BATCH
     assert [t["id"] for g in reply.header["groups"] for t in g["trajectories"]] == ["g.0", "g.1"]
+
+
+def test_asking_whether_a_peer_would_be_admitted_pins_nothing_and_a_broker_away_refuses_nothing(broker_factory,
+                                                                                                clients):
+    """`check_admission`, which explorers and trainers call before they load their model: the broker's refusal,
+    in its words; no answer within the wait is no refusal; an admitted ask leaves no peer behind."""
+    from rlbus.common.client import check_admission
+    from tests.conftest import free_port
+
+    b = broker_factory()
+    run, other = {"model": "M 2x128 vocab 9 #a", "dtype": "float32"}, {"model": "M 2x192 vocab 9 #b"}
+    with capture_logs() as logs:
+        check_admission(b.address, other, wait_s=10)  # a fresh run: admitted, and still open
+        clients(b, "trainer", "tr", rollout=run)
+        check_admission(b.address, run, wait_s=10)
+        with pytest.raises(BrokerError, match=r"^conflict: rollout\.model: this peer has 'M 2x192 .*the run 'M 2x128"):
+            check_admission(b.address, other, wait_s=10)
+        check_admission(f"tcp://127.0.0.1:{free_port()}", other, wait_s=0.3)
+    refused = [e for e in logs if e["event"] == "hello_refused"]
+    assert [e["file_only"] for e in refused] == [True]  # the caller says it (a command as its `error: ...` line)
+    pinned = [e["peer"] for e in b.log_events() if e["event"] == "rollout_model_pinned"]
+    assert pinned == ["tr"]
+    tool = clients(b, "tool", "look")
+    assert {p["name"] for p in tool.request(P.STATUS).header["peers"]} == {"tr", "look"}
+
+
+def test_clients_made_one_after_another_in_one_process_each_have_an_address_of_their_own():
+    """A client wakes its I/O thread over an inproc address. Named by id(), a client made just after another was
+    closed could get its id while ZeroMQ still held that address, and failed with `Address already in use` (an
+    explorer's admission check, then its own client)."""
+    for _ in range(300):
+        client = BrokerClient("tcp://127.0.0.1:1", "tool")
+        client.close(bye=False)
+        del client
