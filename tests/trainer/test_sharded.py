@@ -161,10 +161,11 @@ def test_two_ranks_whose_taskset_runs_out_publish_and_save_the_last_step_trained
     assert (shards / "meta.pt").exists() and len(list((shards / "shards").glob("*.distcp"))) == 2
     assert [e["world_size"] for e in events(log, "trainer_ranks_done")] == [2]
     # The same directory resumed with another model: its sharded checkpoint is refused by the shapes DCP recorded.
+    # (On a broker that has pinned no model: the run's own refuses it first, asked before the model loads.)
     wider = str(make_tiny(tmp_path / "wider", tiny_model, hidden=192))
-    done = subprocess.run([sys.executable, "-m", "rlbus.cli", "trainer", "--broker", b.address, "--set",
-                           f"run.dir={tmp_path / 'run'}", "--set", f"model.path={wider}"], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-m", "rlbus.cli", "trainer", "--broker", broker_factory(*finite).address,
+                           "--set", f"run.dir={tmp_path / 'run'}", "--set", f"model.path={wider}", "--set",
+                           "rollout.dtype=float32"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and done.stderr.splitlines()[-1].startswith(
         f"error: cannot resume from {shards}: lm_head.weight is [49152, 128] in it and [49152, 192] in this model"), \
         done.stderr[-2000:]
