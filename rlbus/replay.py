@@ -63,14 +63,34 @@ class Replayed:
         return bool(self.comparisons) and all(c.equal for c in self.comparisons)
 
 
+# What replay reads of the record, and of which type (the trainer writes more).
+_RECORDED = (("model_path", str), ("config", dict), ("threads", int))
+
+
 def load_record(run_dir: Path) -> dict:
+    """The run's `trainer.json`, or a ReplayError that says what is wrong with it (missing, damaged)."""
     from rlbus.trainer.checkpoint import RECORD
 
     path = run_dir / RECORD
     if not path.exists():
         raise ReplayError(f"{path} is missing: the trainer writes it when it starts, and runs from before it did "
                           "cannot be replayed")
-    return json.loads(path.read_text())
+    try:
+        record = json.loads(path.read_text())
+    except ValueError as exc:  # not JSON, or not UTF-8
+        raise ReplayError(f"{path} is not the JSON the trainer writes ({exc}): it was damaged") from None
+    wrong = [k for k, kind in _RECORDED if not isinstance(record, dict) or not isinstance(record.get(k), kind)]
+    if wrong:
+        raise ReplayError(f"{path} lacks {', '.join(wrong)} (or holds another type): it is no record the trainer "
+                          "wrote, or was damaged")
+    try:
+        from rlbus.common.config import RunConfig
+
+        record["config"] = RunConfig.model_validate(record["config"])
+    except ValueError as exc:  # a config no longer valid (written by another version of rlbus), or damaged
+        said = "; ".join(line.strip() for line in str(exc).splitlines()[:3])
+        raise ReplayError(f"{path}: its config does not load here: {said}") from None
+    return record
 
 
 def replay(run_dir: str | Path, buffer_dir: str | Path | None = None, out_dir: str | Path | None = None,
@@ -79,13 +99,12 @@ def replay(run_dir: str | Path, buffer_dir: str | Path | None = None, out_dir: s
     import torch
 
     from rlbus.broker.history import DeliveredBatches
-    from rlbus.common.config import RunConfig
     from rlbus.trainer.main import Trainer
     from rlbus.weights.checkpoint import CheckpointSender, version_dirs
 
     run_dir = Path(run_dir)
     record = load_record(run_dir)
-    cfg = RunConfig.model_validate(record["config"])
+    cfg = record["config"]
     if not Path(record["model_path"]).exists():
         raise ReplayError(f"the run's model {record['model_path']} is not here; replay needs the same weights to "
                           "start from")

@@ -152,6 +152,23 @@ def test_a_run_without_a_record_is_a_clear_error(tmp_path):
     assert done.returncode == 2 and "trainer.json is missing" in done.stderr
 
 
+@pytest.mark.parametrize("record, said", [
+    ("{garbage", " is not the JSON the trainer writes (Expecting property name enclosed in double quotes: line 1 "
+                 "column 2 (char 1)): it was damaged"),
+    ("[]", " lacks model_path, config, threads (or holds another type): it is no record the trainer wrote, or was "
+           "damaged"),
+    ('{"model_path": "m", "config": 5, "threads": 1}', " lacks config (or holds another type)"),
+    ('{"model_path": "m", "config": {"trainer": {"lr": "x"}}, "threads": 1}',
+     ": its config does not load here: 1 validation error for RunConfig; trainer.lr; Input should be a valid number"),
+])
+def test_a_record_that_is_damaged_is_a_clear_error(tmp_path, record, said):
+    """Each was a traceback (JSONDecodeError, TypeError, KeyError, ValidationError)."""
+    (tmp_path / "trainer.json").write_text(record)
+    done = _cli("replay", tmp_path)
+    assert done.returncode == 2 and done.stderr.startswith(f"error: {tmp_path / 'trainer.json'}{said}"), done.stderr
+    assert len(done.stderr.splitlines()) == 1, done.stderr
+
+
 def test_a_buffer_whose_catalogue_is_no_database_is_a_clear_error(async_run, tmp_path):
     """It was a DatabaseError traceback, after the trainer was built."""
     (tmp_path / "buffer").mkdir()
