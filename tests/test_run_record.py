@@ -73,7 +73,7 @@ def async_run(tiny_model, tmp_path_factory):
             "algorithm.informative_wait_s=2", f"metrics.prometheus_port={port}",
             # A task a lease: the tiny model rolls a batch out faster than a step trains, so whichever explorer
             # loaded the new version first took a whole batch (2 tasks) a lease, and, one a little slower every
-            # time, could go through the run with none (2 runs of 30); each now takes a task of it.
+            # time, could go through the run with none (2 runs of 32); each now takes a task of it.
             "explorer.tasks_per_lease=1"]
     args = [sys.executable, "-m", "rlbus.cli", "up", "configs/modes/multi_explorer_async.yaml"]
     err = run_dir.parent / "up.err"
