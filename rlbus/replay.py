@@ -68,7 +68,8 @@ _RECORDED = (("model_path", str), ("config", dict), ("threads", int))
 
 
 def load_record(run_dir: Path) -> dict:
-    """The run's `trainer.json`, or a ReplayError that says what is wrong with it (missing, damaged)."""
+    """The run's `trainer.json`, its config loaded (a RunConfig), or a ReplayError that says what is wrong with it
+    (missing, damaged)."""
     from rlbus.trainer.checkpoint import RECORD
 
     path = run_dir / RECORD

@@ -100,7 +100,8 @@ def test_a_trainer_given_a_model_it_cannot_load_says_why_once(tiny_model, tmp_pa
 def test_a_process_of_another_model_than_the_runs_is_refused_before_it_loads_its_own(role, broker_factory, clients,
                                                                                       tiny_model, tmp_path):
     """It asks the broker, as a tool, before its engine or its model loads (seconds here, minutes for a large model
-    on a GPU), and ends with the broker's refusal, which was said only once it had loaded it; the ask pins nothing."""
+    on a GPU), and ends with the broker's refusal at once; before, that came at its HELLO, once all had loaded.
+    The ask pins nothing."""
     import subprocess
     import sys
 
