@@ -33,7 +33,7 @@ import time
 import uuid
 from collections import deque
 from concurrent.futures import CancelledError, Future
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import structlog
 import zmq
@@ -43,6 +43,9 @@ from rlbus.common.connection import (BrokerError, BrokerUnreachable, Connection,
                                      StoppedBeforeWelcome, _Request)
 from rlbus.common.curve import client_keys
 from rlbus.common.processes import stop_requested
+
+if TYPE_CHECKING:
+    from rlbus.common.broker_config import BrokerConfig
 
 log = structlog.get_logger()
 
@@ -244,12 +247,13 @@ class BrokerClient(Connection):
     # ---- the I/O thread ---------------------------------------------------
 
 
-def check_admission(address: str, rollout: dict[str, Any], wait_s: float = 3.0, **keys: str) -> None:
+def check_admission(broker: BrokerConfig, rollout: dict[str, Any], wait_s: float = 3.0) -> None:
     """Ask the broker, as a tool, whether a peer with these rollout settings would be admitted, before the process
     loads its model (seconds; minutes for a large one on a GPU), so that a refusal comes first: raises its
     BrokerError (`conflict`, naming each field that differs). A tool's HELLO pins nothing. A broker that does not
     answer within `wait_s` refuses nothing: the process goes on, and says HELLO once it is ready."""
-    client = BrokerClient(address, "tool", rollout=rollout, **keys)
+    client = BrokerClient(broker.address, "tool", rollout=rollout, curve_server_key=broker.curve_server_key,
+                          curve_client_key=broker.curve_client_key)
     try:
         client.start(wait_s)
     except NoWelcome:

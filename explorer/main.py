@@ -363,9 +363,8 @@ def run(cfg: RunConfig) -> None:
         cfg = with_rollout_dtype(cfg)  # the engine computes in it
         reward_fn = from_config(cfg.reward)  # a reward that cannot load, or a bad held-out file: said before the engine
         held_out = make_taskset(cfg.data, eval_set=True) if cfg.explorer.eval_every else None
-        path, x, b = resolve_model(cfg.model.path, cfg.model.cache_dir), cfg.explorer, cfg.broker
-        check_admission(b.address, rollout_given(cfg, path), curve_server_key=b.curve_server_key,
-                        curve_client_key=b.curve_client_key)  # a refusal before the engine loads the model
+        path, x = resolve_model(cfg.model.path, cfg.model.cache_dir), cfg.explorer
+        check_admission(cfg.broker, rollout_given(cfg, path))  # a refusal before the engine loads the model
         engine = Engine(path, seed=cfg.rollout.seed, dtype=cfg.rollout.dtype, memory_fraction=x.memory_fraction,
                         max_model_len=context_tokens(x.max_model_len, cfg.rollout.max_tokens, model_context(path)),
                         kv_cache_mb=x.kv_cache_mb, core=x.engine_core, swap_kv=x.swap_kv,

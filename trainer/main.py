@@ -377,10 +377,9 @@ def run(cfg: RunConfig) -> None:
             world = distributed.init(cfg)
             if world is not None:
                 bind(rank=world.rank)
-            path, b = resolve_model(cfg.model.path, cfg.model.cache_dir), cfg.broker
+            path = resolve_model(cfg.model.path, cfg.model.cache_dir)
             if world is None or world.rank == 0:  # a refusal before the model loads
-                check_admission(b.address, rollout_given(cfg, path), curve_server_key=b.curve_server_key,
-                                curve_client_key=b.curve_client_key)
+                check_admission(cfg.broker, rollout_given(cfg, path))
             trainer = Trainer(cfg, path, world=world)
             freeze_heap()
             if trainer.main:

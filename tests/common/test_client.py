@@ -417,18 +417,20 @@ def test_asking_whether_a_peer_would_be_admitted_pins_nothing_and_a_broker_away_
                                                                                                 clients):
     """`check_admission`, which explorers and trainers call before they load their model: the broker's refusal,
     in its words; no answer within the wait is no refusal; an admitted ask leaves no peer behind."""
+    from rlbus.common.broker_config import BrokerConfig
     from rlbus.common.client import check_admission
     from tests.conftest import free_port
 
     b = broker_factory()
+    here, away = BrokerConfig(address=b.address), BrokerConfig(address=f"tcp://127.0.0.1:{free_port()}")
     run, other = {"model": "M 2x128 vocab 9 #a", "dtype": "float32"}, {"model": "M 2x192 vocab 9 #b"}
     with capture_logs() as logs:
-        check_admission(b.address, other, wait_s=10)  # a fresh run: admitted, and still open
+        check_admission(here, other, wait_s=10)  # a fresh run: admitted, and still open
         clients(b, "trainer", "tr", rollout=run)
-        check_admission(b.address, run, wait_s=10)
+        check_admission(here, run, wait_s=10)
         with pytest.raises(BrokerError, match=r"^conflict: rollout\.model: this peer has 'M 2x192 .*the run 'M 2x128"):
-            check_admission(b.address, other, wait_s=10)
-        check_admission(f"tcp://127.0.0.1:{free_port()}", other, wait_s=0.3)
+            check_admission(here, other, wait_s=10)
+        check_admission(away, other, wait_s=0.3)
     refused = [e for e in logs if e["event"] == "hello_refused"]
     assert [e["file_only"] for e in refused] == [True]  # the caller says it (a command as its `error: ...` line)
     pinned = [e["peer"] for e in b.log_events() if e["event"] == "rollout_model_pinned"]
