@@ -62,17 +62,19 @@ def test_the_distribution_installs_one_top_level_name(tmp_path):
 def test_the_layers_hold(tmp_path):
     done = lint(package_tree(tmp_path))
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "4 kept, 0 broken" in done.stdout
+    assert "5 kept, 0 broken" in done.stdout
 
 
 @pytest.mark.skipif(not LINT.exists(), reason="import-linter is not installed (pip install -e '.[test]')")
 def test_an_import_against_the_layers_is_caught(tmp_path):
-    tree = package_tree(tmp_path, copy=("common",))
+    tree = package_tree(tmp_path, copy=("common", "broker"))
     (tree / "common" / "upward.py").write_text("import torch\nfrom rlbus.trainer import main\n")
+    (tree / "broker" / "heavy.py").write_text("def late():\n    import numpy\n")  # in a function: caught too
     done = lint(tree)
     assert done.returncode == 1
     assert "rlbus.common.upward -> rlbus.trainer.main" in done.stdout
     assert "rlbus.common.upward -> torch" in done.stdout
+    assert "rlbus.broker.heavy -> numpy" in done.stdout
 
 
 def test_no_module_over_400_lines():

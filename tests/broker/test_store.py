@@ -167,6 +167,21 @@ def test_payload_checksums_are_zlibs_crc32():
         assert segments.crc32(memoryview(data)[1:]) == zlib.crc32(data[1:])
 
 
+def test_a_buffers_address_is_where_its_first_byte_lies_read_only_or_not():
+    """Placement of large PUTs reads where a frame lies in memory; the broker asks the buffer itself (no numpy)."""
+    memory = np.zeros(3 * segments.ALIGN, np.uint8)
+    base = memory.ctypes.data
+    assert segments.address(memoryview(memory)[100:]) == base + 100
+    frozen = memory[7:].copy()
+    frozen.flags.writeable = False  # a received ZeroMQ frame is read-only
+    assert segments.address(memoryview(frozen)[5:9]) == frozen.ctypes.data + 5
+    data = bytes(5000)
+    assert segments.address(memoryview(data)[17:]) == np.frombuffer(data, np.uint8).ctypes.data + 17
+    assert segments.address(memoryview(b"")) == 0
+    with pytest.raises(BufferError):
+        segments.address(memoryview(memory)[::2])  # not contiguous: no one address says where its bytes are
+
+
 def refusal(store: S.Store, *puts: list) -> list[str | None]:
     """`refuse_join` over the PUTs of one drain, in order (each a list of trajectory metadata)."""
     adding, sizes, seen = S.Counter(), {}, set()
