@@ -173,7 +173,7 @@ def test_a_buffers_address_is_where_its_first_byte_lies_read_only_or_not():
     base = memory.ctypes.data
     assert segments.address(memoryview(memory)[100:]) == base + 100
     frozen = memory[7:].copy()
-    frozen.flags.writeable = False  # a received ZeroMQ frame is read-only
+    frozen.flags.writeable = False  # read-only, as a payload given as `bytes` is
     assert segments.address(memoryview(frozen)[5:9]) == frozen.ctypes.data + 5
     data = bytes(5000)
     assert segments.address(memoryview(data)[17:]) == np.frombuffer(data, np.uint8).ctypes.data + 17
