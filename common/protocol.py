@@ -251,9 +251,14 @@ def decode(frames: list[bytes], max_message_bytes: int | None = None,
         header = unpack(frames[2])
     except Exception as exc:  # msgpack raises several unrelated types
         reason = str(exc)[:200] or type(exc).__name__
+        if "not allowed for map key" in reason:  # valid msgpack, but a map key other than a string or binary
+            raise ProtocolError("malformed", f"map keys in a header are strings; one is {reason.split()[0]}") from None
         raise ProtocolError("malformed", f"header is not valid msgpack: {reason}") from None
     if not isinstance(header, dict):
         raise ProtocolError("malformed", f"header must be a msgpack map, got {type(header).__name__}")
+    if not all(type(key) is str for key in header):
+        odd = next(key for key in header if type(key) is not str)
+        raise ProtocolError("malformed", f"map keys in a header are strings; one is {type(odd).__name__} {brief(odd)}")
     if too_deep(header, max_depth):
         raise ProtocolError("malformed", f"header nests maps and lists deeper than {max_depth} levels")
     return Message(command, header, list(frames[3:]))

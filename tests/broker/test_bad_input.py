@@ -24,6 +24,8 @@ CASES = {
     "wrong_version": ([b"rlbus/0", b"HELLO", P.pack({})], "bad_version"),
     "not_msgpack": ([P.PROTOCOL, b"STATUS", b"\xc1\xc1\xc1"], "malformed"),
     "header_not_map": ([P.PROTOCOL, b"STATUS", P.pack([1, 2])], "malformed"),
+    "binary_key": ([P.PROTOCOL, b"STATUS", P.pack({"req": 13, b"req": 14})], "malformed"),
+    "integer_key": ([P.PROTOCOL, b"LEASE", P.pack({"req": 15, 1: 2})], "malformed"),
     "unknown_command": ([P.PROTOCOL, b"EXPLODE", P.pack({"req": 5})], "unknown_command"),
     "wrong_type": ([P.PROTOCOL, b"LEASE", P.pack({"req": 6, "max_tasks": "four", "policy_version": 0})],
                    "bad_field"),

@@ -129,6 +129,25 @@ def test_a_header_that_is_not_msgpack_is_malformed_and_the_message_says_why(head
     assert reason != err.value.message and reason.strip(), err.value.message  # says what msgpack found
 
 
+@pytest.mark.parametrize("header, named", [
+    (P.pack({1: "x", "req": 3}), "one is int"),  # valid msgpack, which the protocol's string keys rule out
+    (P.pack({"req": 3, b"req": 4}), "one is bytes b'req'"),
+    (P.pack({"status": {2.5: 1}}), "one is float"),  # a key of a map inside it, neither a string nor binary
+    (P.pack({"status": {None: 1}}), "one is NoneType"),
+])
+def test_a_header_key_that_is_not_a_string_is_malformed_and_named(header, named):
+    with pytest.raises(P.ProtocolError) as err:
+        P.decode([P.PROTOCOL, b"STATUS", header])
+    assert (err.value.code, err.value.message) == ("malformed", f"map keys in a header are strings; {named}")
+
+
+def test_a_binary_key_inside_a_field_is_that_fields_error():
+    put = P.decode([P.PROTOCOL, b"PUT", P.pack({"trajectories": [_meta(0, payload_bytes=10, info={b"k": 1})]}), b"\0" * 10])
+    with pytest.raises(P.ProtocolError) as err:
+        P.validate(put)
+    assert err.value.code == "bad_field" and "$.trajectories[0].info" in err.value.message
+
+
 @pytest.mark.parametrize("header, req", [
     (P.pack({"req": 7, "x": 1}), 7),
     (P.pack({"x": nested(P.MAX_DEPTH + 4), "req": 8}), 8),  # read past a value too deep to accept
