@@ -142,7 +142,8 @@ def test_a_header_key_that_is_not_a_string_is_malformed_and_named(header, named)
 
 
 def test_a_binary_key_inside_a_field_is_that_fields_error():
-    put = P.decode([P.PROTOCOL, b"PUT", P.pack({"trajectories": [_meta(0, payload_bytes=10, info={b"k": 1})]}), b"\0" * 10])
+    header = {"trajectories": [_meta(0, payload_bytes=10, info={b"k": 1})]}
+    put = P.decode([P.PROTOCOL, b"PUT", P.pack(header), b"\0" * 10])
     with pytest.raises(P.ProtocolError) as err:
         P.validate(put)
     assert err.value.code == "bad_field" and "$.trajectories[0].info" in err.value.message
