@@ -256,8 +256,8 @@ def decode(frames: list[bytes], max_message_bytes: int | None = None,
         raise ProtocolError("malformed", f"header is not valid msgpack: {reason}") from None
     if not isinstance(header, dict):
         raise ProtocolError("malformed", f"header must be a msgpack map, got {type(header).__name__}")
-    if not all(type(key) is str for key in header):
-        odd = next(key for key in header if type(key) is not str)
+    odd = next((key for key in header if type(key) is not str), None)  # unpack leaves strings and binary only
+    if odd is not None:
         raise ProtocolError("malformed", f"map keys in a header are strings; one is {type(odd).__name__} {brief(odd)}")
     if too_deep(header, max_depth):
         raise ProtocolError("malformed", f"header nests maps and lists deeper than {max_depth} levels")
