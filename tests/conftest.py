@@ -302,3 +302,26 @@ def engine(tiny_model):
     freeze_heap()
     yield eng
     eng.close(ending=True)  # the test process ends next
+
+
+@pytest.fixture
+def cpu_timed(monkeypatch, tmp_path):
+    """`cpu_timed(units, bfloat16_ms, float32_ms)`: this process's CPU as one with those bfloat16 units on which
+    the dtype timing measures those figures (a double of `rlbus.weights.precision.measure`; its real counterpart
+    is tested in tests/weights/test_precision.py), its verdict kept under `tmp_path`."""
+    import torch
+
+    from rlbus.weights import precision
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    precision.cpu_bfloat16.cache_clear()
+
+    def make(units: list[str], bfloat16_ms: float = 1.0, float32_ms: float = 1.0) -> None:
+        precision.cpu_bfloat16.cache_clear()
+        for unit, probe in precision._PROBES.items():
+            monkeypatch.setattr(torch.cpu, probe, lambda on=unit in units: on, raising=False)
+        monkeypatch.setattr(precision, "measure", lambda: {"float32_ms": float32_ms, "bfloat16_ms": bfloat16_ms})
+
+    yield make
+    precision.cpu_bfloat16.cache_clear()

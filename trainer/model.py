@@ -9,21 +9,22 @@ import torch
 import torch.nn.functional as F
 
 from rlbus.common.config import RunConfig
-from rlbus.weights.models import cpu_computes_bfloat16
+from rlbus.weights.models import cpu_prefers_bfloat16
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def autocast_dtype(setting: str, device: torch.device) -> torch.dtype | None:
     """What `trainer.autocast` computes in on `device`; None: no autocast. `auto` takes bfloat16 where the
-    hardware computes in it (a CUDA GPU that supports it; a CPU with AVX512-BF16 or AMX) and float32 elsewhere:
-    on a CPU without them bfloat16 is emulated, and a step takes about 25 times as long as in float32
-    (SmolLM2-135M, a 600-token forward and backward on two AVX2 cores: 150 s against 6 s)."""
+    hardware computes in it (a CUDA GPU that supports it; a CPU with AVX512-BF16 or AMX on which bfloat16 was
+    also timed faster: `rlbus.weights.precision`) and float32 elsewhere: on a CPU without them bfloat16 is
+    emulated, and a step takes about 25 times as long as in float32 (SmolLM2-135M, a 600-token forward and
+    backward on two AVX2 cores: 150 s against 6 s)."""
     if setting != "auto":
         return DTYPES.get(setting)  # "off": None
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else None
-    return torch.bfloat16 if device.type == "cpu" and cpu_computes_bfloat16() else None
+    return torch.bfloat16 if device.type == "cpu" and cpu_prefers_bfloat16() else None
 
 
 def load_model(path: str, cfg: RunConfig, trainable: bool = True, device: str | None = None):

@@ -325,28 +325,32 @@ def test_training_waits_while_two_versions_are_still_to_be_published(broker_fact
     assert all((tmp_path / "run" / "weights" / f"v{v}").exists() for v in (2, 3, 4))
 
 
-@pytest.mark.parametrize("native", [True, False])
-def test_autocast_auto_takes_bfloat16_only_where_the_cpu_computes_in_it(monkeypatch, native):
+# bfloat16 units, the timing's figures (ms of a product in bfloat16, in float32): whether auto takes bfloat16
+HOSTS = {"amx": (["amx"], 2.0, 8.0, True), "avx512_bf16_faster": (["avx512_bf16"], 6.0, 10.0, True),
+         "avx512_bf16_slower": (["avx512_bf16"], 7.4, 4.4, False), "none": ([], 0.0, 0.0, False)}
+
+
+@pytest.mark.parametrize("host", HOSTS)
+def test_autocast_auto_takes_bfloat16_only_where_the_cpu_computes_faster_in_it(cpu_timed, host):
     from rlbus.trainer.model import autocast_dtype
 
+    units, bf16_ms, f32_ms, faster = HOSTS[host]
+    cpu_timed(units, bf16_ms, f32_ms)
     cpu = torch.device("cpu")
-    for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
-        monkeypatch.setattr(torch.cpu, probe, lambda: native, raising=False)
-    assert autocast_dtype("auto", cpu) == (torch.bfloat16 if native else None)
+    assert autocast_dtype("auto", cpu) == (torch.bfloat16 if faster else None)
     assert autocast_dtype("off", cpu) is None and autocast_dtype("bfloat16", cpu) == torch.bfloat16
 
 
-@pytest.mark.parametrize("native", [True, False])
-def test_rollout_dtype_auto_takes_bfloat16_only_where_the_host_computes_in_it(monkeypatch, native):
+@pytest.mark.parametrize("host", HOSTS)
+def test_rollout_dtype_auto_takes_bfloat16_only_where_the_host_computes_faster_in_it(cpu_timed, host):
     from rlbus.common.config import load_config
     from rlbus.weights.models import rollout_dtype, with_rollout_dtype
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
-        monkeypatch.setattr(torch.cpu, probe, lambda: native, raising=False)
+    units, bf16_ms, f32_ms, faster = HOSTS[host]
+    cpu_timed(units, bf16_ms, f32_ms)
     cfg = load_config(None, [], environ={})
     resolved = with_rollout_dtype(cfg)
-    assert resolved.rollout.dtype == ("bfloat16" if native else "float32") and cfg.rollout.dtype == "auto"
+    assert resolved.rollout.dtype == ("bfloat16" if faster else "float32") and cfg.rollout.dtype == "auto"
     explicit = load_config(None, ["rollout.dtype=float16"], environ={})
     assert with_rollout_dtype(explicit) is explicit and rollout_dtype("float16") == "float16"
 
