@@ -4,7 +4,7 @@ A real broker process holds a full buffer of trajectories shaped like the
 default task's (4 prompts x 8 samples per step; each prompt a 30-token system
 prompt common to all and a 14-token question shared by its group; 8-24
 response tokens); an in-process trainer on SmolLM2-135M-Instruct
-(`trainer.autocast=auto`: bfloat16 where the CPU computes in it) runs
+(`trainer.autocast=auto`: bfloat16 where the CPU computes faster in it) runs
 `--steps` steps, publishing weights every step (sync_interval 1, the most
 publishing any mode does) and committing every step. It runs twice, on a fresh
 broker each time: one row per sample (micro-batches of 8, the baseline) and

@@ -245,9 +245,9 @@ class RolloutConfig(Section):
     """New tokens per response."""
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     """The dtype weights are published in and explorers' engines compute in. auto: bfloat16 where the host computes
-    in it (a CUDA GPU that supports it, else float16 there; a CPU with AVX512-BF16 or AMX), float32 on other CPUs,
-    which emulate bfloat16 at about a quarter of the speed. Each process resolves auto on its own host and the
-    broker pins the first answer for the run: across hosts of different kinds, set it explicitly."""
+    in it (a CUDA GPU that supports it, else float16 there; a CPU with AVX512-BF16 or AMX, timed faster in it),
+    float32 on other CPUs. Each process resolves auto on its own host and the broker pins the first answer for the
+    run: across hosts of different kinds, set it explicitly."""
     repeat: int = Field(8, ge=1)
     """Samples generated per task (the group size)."""
     seed: int = Field(0, ge=0)
@@ -375,8 +375,8 @@ class TrainerConfig(Section):
     gradient_checkpointing: bool = False
     """Trade compute for memory."""
     autocast: Literal["off", "bfloat16", "float16", "auto"] = "off"
-    """Mixed precision for forward and backward, master weights in model.dtype (bfloat16: ~1.7x faster on CPUs
-    with AVX512-BF16 or AMX, ~25x slower on CPUs without); auto: bfloat16 where the device computes in it."""
+    """Mixed precision for forward and backward, master weights in model.dtype (bfloat16: ~1.7x faster on some CPUs
+    with AVX512-BF16 or AMX, ~25x slower on CPUs without); auto: bfloat16 where rollout.dtype auto takes it."""
     fetch_wait_s: float = Field(5.0, gt=0)
     """How long one FETCH waits at the broker for enough groups before asking again."""
     broker_timeout_s: float = Field(30.0, gt=0)
