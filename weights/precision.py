@@ -81,7 +81,7 @@ def decide(units: list[str], timing=None) -> dict:
     (the units only, for a CPU that has none)."""
     if not units:
         return {"bfloat16": False, "units": []}
-    path = verdict_path(units)
+    path, verdict = verdict_path(units), None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path.with_suffix(".lock"), "a") as lock:
@@ -90,15 +90,22 @@ def decide(units: list[str], timing=None) -> dict:
             if kept is not None:
                 return kept
             verdict = _measured(units, timing or measure)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(verdict))
-            os.replace(tmp, path)
+            _keep(path, verdict)
             return verdict
     except OSError as e:
-        # Measured without a file, each process of the host decides for itself and may differ: the broker then
+        # Without the file each process of the host decides for itself, and they may differ: the broker then
         # refuses the one that differs, naming the dtype to set.
         log.warning("cpu_bfloat16_unkept", path=str(path), error=str(e))
-        return _measured(units, timing or measure)
+        return verdict or _measured(units, timing or measure)
+
+
+def _keep(path: Path, verdict: dict) -> None:
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(verdict))
+        os.replace(tmp, path)  # whole or not at all, for a reader that takes no lock
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _read(path: Path) -> dict | None:

@@ -77,6 +77,19 @@ def test_a_cache_that_cannot_be_written_is_timed_without_it_and_said(monkeypatch
     assert warning["log_level"] == "warning" and str(blocker) in warning["path"]
 
 
+def test_a_verdict_that_cannot_be_kept_is_still_taken_once_measured(monkeypatch, cache):
+    def full(*_):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(precision.os, "replace", full)
+    calls: list = []
+    with capture_logs() as logs:
+        verdict = precision.decide(["avx512_bf16"], timing=timing(2.0, 8.0, calls))
+    assert verdict["bfloat16"] and len(calls) == 1
+    assert [e["error"] for e in logs if e["event"] == "cpu_bfloat16_unkept"] == ["[Errno 28] No space left on device"]
+    assert sorted(p.suffix for p in cache.iterdir()) == [".lock"]  # no verdict, no half-written file
+
+
 def test_the_timing_runs_both_dtypes_for_real():
     times = precision.measure(rounds=2, rows=64, width=128)
     assert set(times) == {"float32_ms", "bfloat16_ms"} and all(t > 0 for t in times.values())
