@@ -360,10 +360,10 @@ def run(cfg: RunConfig) -> None:
     with failures_logged("explorer_failed"):  # the log says why it ended, the engine's failures too
         from rlbus.explorer.engine import Engine
 
-        cfg = with_rollout_dtype(cfg)  # the engine computes in it
         reward_fn = from_config(cfg.reward)  # a reward that cannot load, or a bad held-out file: said before the engine
         held_out = make_taskset(cfg.data, eval_set=True) if cfg.explorer.eval_every else None
         path, x = resolve_model(cfg.model.path, cfg.model.cache_dir), cfg.explorer
+        cfg = with_rollout_dtype(cfg)  # the engine computes in it (after the config's errors: it may time the CPU)
         check_admission(cfg.broker, rollout_given(cfg, path))  # a refusal before the engine loads the model
         engine = Engine(path, seed=cfg.rollout.seed, dtype=cfg.rollout.dtype, memory_fraction=x.memory_fraction,
                         max_model_len=context_tokens(x.max_model_len, cfg.rollout.max_tokens, model_context(path)),
