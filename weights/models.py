@@ -67,11 +67,13 @@ def with_rollout_dtype(cfg):
     return cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"dtype": rollout_dtype("auto")})})
 
 
+def cache_home() -> Path:
+    """rlbus's directory in the user's cache (under XDG_CACHE_HOME, else ~/.cache)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "rlbus"
+
+
 def cache_root(cache_dir: str = "") -> Path:
-    if cache_dir:
-        return Path(cache_dir)
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "rlbus" / "models"
+    return Path(cache_dir) if cache_dir else cache_home() / "models"
 
 
 def _fetch_gguf(name: str, work: Path) -> Path:

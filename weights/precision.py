@@ -2,7 +2,7 @@
 
 A CPU without AVX512-BF16 or AMX emulates bfloat16, many times slower than float32, and is never timed. One
 that has them is timed: a 2-core Xeon whose virtual machine shows AVX512-BF16 but no AMX ran a bfloat16
-matrix product in about 1.5 times the float32 time, trained a micro-batch under bfloat16 autocast in 5.9-6.4 s
+matrix product in 1.6-1.9 times the float32 time, trained a micro-batch under bfloat16 autocast in 5.9-6.4 s
 against 3.8-4.3 s, and learned the default job slower and ended lower in bfloat16. So `cpu_bfloat16()` times
 the same product in both dtypes, alternated, and takes bfloat16 only where it runs at least `MARGIN` times
 as fast: of two close choices, float32 is the exact one.
@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 
 import structlog
+
+from rlbus.weights.models import cache_home
 
 log = structlog.get_logger()
 
@@ -53,8 +55,7 @@ def verdict_path(units: list[str]) -> Path:
     import torch
 
     key = json.dumps([_cpu_model(), sorted(units), torch.__version__])
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "rlbus" / f"cpu-bfloat16-{hashlib.sha256(key.encode()).hexdigest()[:12]}.json"
+    return cache_home() / f"cpu-bfloat16-{hashlib.sha256(key.encode()).hexdigest()[:12]}.json"
 
 
 def measure(rounds: int = 7, rows: int = 512, width: int = 1024) -> dict[str, float]:
@@ -81,6 +82,7 @@ def decide(units: list[str], timing=None) -> dict:
     (the units only, for a CPU that has none)."""
     if not units:
         return {"bfloat16": False, "units": []}
+    timing = timing or measure
     path, verdict = verdict_path(units), None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -89,14 +91,14 @@ def decide(units: list[str], timing=None) -> dict:
             kept = _read(path)
             if kept is not None:
                 return kept
-            verdict = _measured(units, timing or measure)
+            verdict = _measured(units, timing)
             _keep(path, verdict)
             return verdict
     except OSError as e:
         # Without the file each process of the host decides for itself, and they may differ: the broker then
         # refuses the one that differs, naming the dtype to set.
         log.warning("cpu_bfloat16_unkept", path=str(path), error=str(e))
-        return verdict or _measured(units, timing or measure)
+        return verdict or _measured(units, timing)
 
 
 def _keep(path: Path, verdict: dict) -> None:
