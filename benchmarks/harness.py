@@ -180,10 +180,12 @@ def disk_fdatasync_mb_per_s(directory: Path, block: bytes, total_bytes: int, dir
     return offset / elapsed / 1e6
 
 
-def disk_rates(directory: Path, blocks: dict[int, bytes], total_bytes: int) -> dict[tuple[int, bool], float]:
-    """`disk_fdatasync_mb_per_s` for each block size, buffered and direct: {(size, direct): MB/s}."""
+def disk_rates(directory: Path, blocks: dict[int, bytes], total_bytes: int,
+               kinds: tuple[bool, ...] = (False, True)) -> dict[tuple[int, bool], float]:
+    """`disk_fdatasync_mb_per_s` for each block size, buffered and direct (`kinds`: the one or the other only):
+    {(size, direct): MB/s}."""
     return {(size, direct): disk_fdatasync_mb_per_s(directory, block, total_bytes, direct)
-            for direct in (False, True) for size, block in blocks.items()}
+            for direct in kinds for size, block in blocks.items()}
 
 
 def relay(messages: int, results) -> None:

@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -49,6 +50,9 @@ FIGURES = {"weight_sync": ("network_ratio", "delta_bytes_share"),
                                  "large_ingest_ratio_to_disk", "large_store_alone_ratio_to_disk",
                                  "large_ingest_cpu_bound_ratio_to_disk",
                                  "large_window")}
+# Figures measured in rounds (a smoke makes 2): {figure: (the rounds' key, the field each round holds it in)}.
+ROUNDS = {"broker_throughput": {"ratio_to_per_message": ("ratio_to_per_message_rounds", None),
+                                "large_ingest_ratio_to_disk": ("large_ingest_rounds", "ratio_to_disk")}}
 # Lines a smoke run must print: the broker's CPU split by thread, its writer and ZeroMQ's I/O named.
 PRINTS = {"broker_throughput": ("the broker's by thread: loop", "rlbus-writer", "zmq_io")}
 # The explorers' host is a network namespace: root and iproute2's ip and tc.
@@ -155,6 +159,10 @@ def test_benchmark_smoke_mode_runs_and_exits(name, smokes):
     assert isinstance(figures, dict) and figures
     missing = [key for key in FIGURES.get(name, ()) if figures.get(key) is None]
     assert not missing, f"{name} gave no {missing}: {out[-2000:]}"
+    for figure, (key, field) in ROUNDS.get(name, {}).items():  # one entry a round; the figure, their median
+        rounds = [r[field] if field else r for r in figures[key]]
+        assert len(rounds) == 2 and figures[figure] == pytest.approx(statistics.median(rounds), abs=2e-3), \
+            f"{name}: {figure} {figures[figure]}, rounds {figures[key]}"
     unsaid = [words for words in PRINTS.get(name, ()) if words not in out]
     assert not unsaid, f"{name} did not print {unsaid}: {out[-2000:]}"
 
