@@ -351,6 +351,7 @@ def main() -> None:
             pair = {}
             for case in (("raw1", "broker") if r % 2 == 0 else ("broker", "raw1")):
                 pair[case] = bench_raw(args, "raw1") if case == "raw1" else bench_broker(args, Path(tmp) / f"small-{r}")
+            shutil.rmtree(Path(tmp) / f"small-{r}")  # outside any timing: unlinking a large file takes a while
             rounds.append((pair["broker"].rate / pair["raw1"].rate, pair["raw1"], pair["broker"]))
             print(f"round {r + 1}: raw zmq push/pull, one trajectory per message: {pair['raw1'].rate:,.0f} traj/s "
                   f"(CPU s per 10k: {pair['raw1'].cpu_line(n)}); durable broker {pair['broker'].rate:,.0f} traj/s: "
