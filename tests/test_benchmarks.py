@@ -112,10 +112,10 @@ class Smoke:
 
 
 class Smokes:
-    """Every benchmark's smoke run, AT_ONCE at a time, moved on by whichever test is waiting."""
+    """The smoke runs of `names`, AT_ONCE at a time, moved on by whichever test is waiting."""
 
-    def __init__(self, tiny: str, out_dir: Path):
-        self.runs = {name: Smoke(name, tiny, out_dir) for name in sorted(BENCHMARKS)
+    def __init__(self, tiny: str, out_dir: Path, names: set[str]):
+        self.runs = {name: Smoke(name, tiny, out_dir) for name in sorted(names)
                      if not (name == "weight_sync_link" and LINK_UNAVAILABLE)}
         self.queue = list(self.runs.values())
 
@@ -139,9 +139,15 @@ class Smokes:
             run.kill()
 
 
+def selected(session: pytest.Session) -> set[str]:
+    """The benchmarks whose smoke test this session runs (`-k` may leave some out: those are not started)."""
+    return {item.callspec.params["name"] for item in session.items
+            if getattr(item, "originalname", "") == test_benchmark_smoke_mode_runs_and_exits.__name__}
+
+
 @pytest.fixture(scope="module")
-def smokes(tiny_model, tmp_path_factory):
-    runs = Smokes(tiny_model, tmp_path_factory.mktemp("smokes"))
+def smokes(request, tiny_model, tmp_path_factory):
+    runs = Smokes(tiny_model, tmp_path_factory.mktemp("smokes"), selected(request.session))
     yield runs
     runs.kill()
 
