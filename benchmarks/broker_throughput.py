@@ -26,8 +26,9 @@ The two target ratios are measured in rounds (`--rounds`, 3 by default),
 each round the ratio's two cases back to back: one-per-message ZeroMQ and
 the broker, first one then the other in turn; the disk, in the kind of
 write that was fastest at the start, then the ingest. The figure is the
-median round's ratio: this host's cores and disk change speed within
-seconds (docs/architecture.md, *Measuring on this host*).
+median round's ratio (of an even count, the lower of the middle two, so
+that it is always one round's): this host's cores and disk change speed
+within seconds (docs/architecture.md, *Measuring on this host*).
 
     python benchmarks/broker_throughput.py [--quick] [--producers P] [--rounds R]
 
@@ -69,7 +70,6 @@ import json
 import multiprocessing as mp
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -288,8 +288,7 @@ def bench_large(args, data_dir: Path) -> dict:
               f"{ingest / raw:.2f} of one raw hop; CPU s per 10k: {ingest_run.cpu_line(n)}); at that CPU per byte, "
               f"{len(os.sched_getaffinity(0))} cores busy every moment would carry {bound:,.1f} MB/s "
               f"({bound / disk_now:.2f} of the disk)", flush=True)
-    ingest_ratio = statistics.median(r[0] for r in rounds)
-    _, disk_mid, ingest, bound = sorted(rounds)[len(rounds) // 2]
+    ingest_ratio, disk_mid, ingest, bound = sorted(rounds)[(len(rounds) - 1) // 2]  # the median (low) round
     if len(rounds) > 1:
         print(f"the ingest, {len(rounds)} rounds: {ingest_ratio:.2f} of the disk at the median (rounds: "
               f"{', '.join(f'{r[0]:.2f}' for r in rounds)})", flush=True)
@@ -356,8 +355,7 @@ def main() -> None:
             print(f"round {r + 1}: raw zmq push/pull, one trajectory per message: {pair['raw1'].rate:,.0f} traj/s "
                   f"(CPU s per 10k: {pair['raw1'].cpu_line(n)}); durable broker {pair['broker'].rate:,.0f} traj/s: "
                   f"{rounds[-1][0]:.2f} of it", flush=True)
-        ratio1 = statistics.median(r[0] for r in rounds)
-        _, raw1_run, run = sorted(rounds, key=lambda r: r[0])[len(rounds) // 2]  # the median round's details
+        ratio1, raw1_run, run = sorted(rounds, key=lambda r: r[0])[(len(rounds) - 1) // 2]  # the median (low) round
         raw1 = raw1_run.rate
         # The disk at the small case's largest group commit (every PUT in flight), as many bytes as it stored:
         # the most trajectories a second any broker that writes each payload could make durable here.
