@@ -245,6 +245,11 @@ def bench_broker(args, data_dir: Path, fetch: bool = True) -> Run:
                    elapsed, threads)
 
 
+def median_round(rounds: list[tuple]) -> tuple:
+    """The round whose ratio (its first field) is the median; of an even count, the lower middle one."""
+    return sorted(rounds, key=lambda r: r[0])[(len(rounds) - 1) // 2]
+
+
 def bench_large(args, data_dir: Path) -> dict:
     """Large trajectories through the broker, beside the disk's own fdatasync'd write rate."""
     big = argparse.Namespace(**vars(args))
@@ -288,7 +293,7 @@ def bench_large(args, data_dir: Path) -> dict:
               f"{ingest / raw:.2f} of one raw hop; CPU s per 10k: {ingest_run.cpu_line(n)}); at that CPU per byte, "
               f"{len(os.sched_getaffinity(0))} cores busy every moment would carry {bound:,.1f} MB/s "
               f"({bound / disk_now:.2f} of the disk)", flush=True)
-    ingest_ratio, disk_mid, ingest, bound = sorted(rounds)[(len(rounds) - 1) // 2]  # the median (low) round
+    ingest_ratio, disk_mid, ingest, bound = median_round(rounds)
     if len(rounds) > 1:
         print(f"the ingest, {len(rounds)} rounds: {ingest_ratio:.2f} of the disk at the median (rounds: "
               f"{', '.join(f'{r[0]:.2f}' for r in rounds)})", flush=True)
@@ -355,7 +360,7 @@ def main() -> None:
             print(f"round {r + 1}: raw zmq push/pull, one trajectory per message: {pair['raw1'].rate:,.0f} traj/s "
                   f"(CPU s per 10k: {pair['raw1'].cpu_line(n)}); durable broker {pair['broker'].rate:,.0f} traj/s: "
                   f"{rounds[-1][0]:.2f} of it", flush=True)
-        ratio1, raw1_run, run = sorted(rounds, key=lambda r: r[0])[(len(rounds) - 1) // 2]  # the median (low) round
+        ratio1, raw1_run, run = median_round(rounds)
         raw1 = raw1_run.rate
         # The disk at the small case's largest group commit (every PUT in flight), as many bytes as it stored:
         # the most trajectories a second any broker that writes each payload could make durable here.
