@@ -204,13 +204,13 @@ def test_streaming_explorers_swap_in_flight_one_at_a_time(tiny_model, tmp_path):
     # finds them generating. Where they are faster they stop at the staleness bound with nothing in flight, load
     # each version idle, and the trainer (which takes the oldest groups first) trains what they made before the
     # bound. Which side is faster must not depend on where other processes run: with the trainer pinned alone on one
-    # core and the explorers on the other, another test's processes went to the trainer's (the less loaded) core, its
-    # steps took 4.5 s instead of 1 s, and no trained group had spanned a swap. So all three share one core: a core's
-    # time is shared evenly among the processes on it, whatever else runs there, and the explorers' work per step
-    # (two groups of two 128-token samples, a decode step per token) outweighs the trainer's (a forward and backward
-    # pass over them): so placed, in ten runs, 14-16 of the 16 loads swapped a version in with requests in flight, steps 2-7 each
-    # trained 2-4 groups that spanned a swap, and the trainer waited 0.7-1.2 s a step for its batch (median of a
-    # run); beside three busy loops on that core, 16 of 16 and 1.3 s.
+    # core and the explorers on the other, another test's processes went to the trainer's (the less loaded) core,
+    # its steps took 4.5 s instead of 1 s, and no trained group had spanned a swap. So all three share one core: a
+    # core's time is shared evenly among the processes on it, whatever else runs there, and the explorers' work per
+    # step (two groups of two 128-token samples, a decode step per token) outweighs the trainer's (a forward and
+    # backward pass over them): so placed, in ten runs, 14-16 of the 16 loads swapped a version in with requests in
+    # flight, steps 2-7 each trained 2-4 groups that spanned a swap, and the trainer waited 0.7-1.2 s a step for its
+    # batch (median of a run); beside three busy loops on that core, 16 of 16 and 1.3 s.
     # A bound of 3 admits 8 groups at version 0, so the last 4 steps train groups begun after version 1 however slow
     # the first step. Two samples a group halve the trainer's work without the explorers' (a decode step of two
     # sequences costs about what one of four does here).
