@@ -40,7 +40,7 @@ import structlog
 
 from rlbus.common import metrics
 from rlbus.common.processes import freeze_heap, heap_kept_frozen, refreeze_heap
-from rlbus.explorer.lifeline import owning_engines, remove_sockets
+from rlbus.explorer.lifeline import owning_engines, remove_sockets, started_with
 
 log = structlog.get_logger()
 
@@ -98,20 +98,21 @@ class Engine:
         from vllm import envs
 
         getattr(envs, "disable_envs_cache", lambda: None)()
+        from vllm.platforms import current_platform
+
+        # The model is not compiled (enforce_eager), but vLLM's sampler compiles one op with torch.compile at the
+        # first sample (a sampled token's rank among the logprobs, vllm.v1.sample.ops.logprobs): on CPUs 2.1-3.0 s
+        # of each inline engine's warm-up, 17 s of one in a process of its own, and a C++ compiler run the first
+        # time on a host, for an op that runs eager in well under a millisecond. Off where the engine core runs
+        # (this process, or by the environment its processes start with): the first generation took 0.2 s so.
+        compile_off = enforce_eager and current_platform.is_cpu()
         if self.inline:
             import torch
 
             if threads:  # before vLLM's CPU worker starts, which then refuses torch.set_num_threads
                 torch.set_num_threads(threads)
             threads = torch.get_num_threads()
-            from vllm.platforms import current_platform
-
-            if enforce_eager and current_platform.is_cpu():
-                # The model is not compiled (enforce_eager), but vLLM's sampler compiles one op with
-                # torch.compile at the first sample (a sampled token's rank among the logprobs,
-                # vllm.v1.sample.ops.logprobs): 2.1-3.0 s of each CPU engine's warm-up, and a C++ compiler run the
-                # first time on a host, for an op that runs eager in well under a millisecond. Off in this
-                # process: the engine's first generation took 0.2 s so.
+            if compile_off:
                 torch._dynamo.config.disable = True
         from vllm import LLM
 
@@ -119,7 +120,9 @@ class Engine:
         # first, what the imports made is left out of the collections the build itself runs (model loading,
         # memory profiling): the tiny model's engine was built in 4.4-4.9 s so, 6.8-8.3 s without.
         freeze_heap()
-        with owning_engines() as self._sockets:  # its processes end when this one does, even by SIGKILL
+        children_env = {"TORCH_COMPILE_DISABLE": "1"} if compile_off and not self.inline else {}
+        # its processes end when this one does, even by SIGKILL
+        with owning_engines() as self._sockets, started_with(children_env):
             self.llm = LLM(model=model, dtype=dtype, seed=seed, max_model_len=max_model_len,
                            gpu_memory_utilization=memory_fraction, enforce_eager=enforce_eager,
                            kv_cache_memory_bytes=None if kv_cache_mb is None else kv_cache_mb << 20,

@@ -49,33 +49,42 @@ _fork_hook_set = False
 
 
 @contextmanager
-def owning_engines() -> Iterator[Path | None]:
-    """Name this process the owner of the vLLM processes started inside the block, and give them a socket
-    directory of their own; yields it (None where the user chose one with VLLM_RPC_BASE_PATH), for
-    `remove_sockets` when the engine closes."""
-    saved = {k: os.environ.get(k) for k in (OWNER_ENV, RPC_ENV)}
-    os.environ[OWNER_ENV] = str(os.getpid())
-    sockets = None
-    if saved[RPC_ENV] is None:
-        _remove_orphaned_sockets()
-        sockets = Path(tempfile.mkdtemp(prefix=f"{RPC_PREFIX}{os.getpid()}-"))
-        if len(str(sockets)) + 1 + 36 <= SOCKET_PATH_MAX:  # vLLM names each socket by a uuid4
-            os.environ[RPC_ENV] = str(sockets)
-        else:  # a long TMPDIR: vLLM's own place, where its paths still fit
-            remove_sockets(sockets)
-            sockets = None
-    register()
+def started_with(env: dict[str, str]) -> Iterator[None]:
+    """Processes started inside the block get `env` in their environment; this process's is as before after it."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
-        yield sockets
-    except BaseException:
-        remove_sockets(sockets)
-        raise
+        yield
     finally:
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@contextmanager
+def owning_engines() -> Iterator[Path | None]:
+    """Name this process the owner of the vLLM processes started inside the block, and give them a socket
+    directory of their own; yields it (None where the user chose one with VLLM_RPC_BASE_PATH), for
+    `remove_sockets` when the engine closes."""
+    env = {OWNER_ENV: str(os.getpid())}
+    sockets = None
+    if os.environ.get(RPC_ENV) is None:
+        _remove_orphaned_sockets()
+        sockets = Path(tempfile.mkdtemp(prefix=f"{RPC_PREFIX}{os.getpid()}-"))
+        if len(str(sockets)) + 1 + 36 <= SOCKET_PATH_MAX:  # vLLM names each socket by a uuid4
+            env[RPC_ENV] = str(sockets)
+        else:  # a long TMPDIR: vLLM's own place, where its paths still fit
+            remove_sockets(sockets)
+            sockets = None
+    with started_with(env):
+        register()
+        try:
+            yield sockets
+        except BaseException:
+            remove_sockets(sockets)
+            raise
 
 
 def remove_sockets(sockets: Path | None) -> None:

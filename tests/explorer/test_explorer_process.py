@@ -150,7 +150,7 @@ def test_sigkilled_explorer_takes_its_engine_processes_and_their_sockets_with_it
                                                                                  tiny_model, tmp_path):
     """vLLM's engine core in a process of its own (as on GPUs) ends when its explorer is SIGKILLed, and the
     Unix sockets they talked over go too: only the explorer's pid is killed, as the OOM killer or `kill -9`
-    would."""
+    would. On CPUs its core, like an inline one, compiles nothing."""
     import psutil
 
     b = broker_factory("sync.sync_style=async", "sync.max_staleness=100", "rollout.repeat=4", "data.batch_tasks=2",
@@ -164,6 +164,9 @@ def test_sigkilled_explorer_takes_its_engine_processes_and_their_sockets_with_it
         engine = psutil.Process(proc.pid).children(recursive=True)
         assert engine, "the engine core runs in a process of its own"
         assert _sockets(temp), "vLLM's engine sockets are in the explorer's temporary directory"
+        # Warmed up (it joined), and its engine core compiled nothing: torch.compile's C++ build of the sampler's
+        # one op would have made its cache in the temporary directory (about 17 s of the warm-up).
+        assert not [f for f in os.listdir(temp) if f.startswith("torchinductor")], os.listdir(temp)
         os.kill(proc.pid, signal.SIGKILL)
         reap(proc)
         _, alive = psutil.wait_procs(engine, timeout=15)
