@@ -41,7 +41,8 @@ def publish(trainer, model_dir, version):
 
 def test_explorer_leases_rolls_out_and_publishes(broker_factory, clients, engine):
     """Groups of `repeat` trajectories arrive with agreeing shapes and finite logprobs <= 0."""
-    b = broker_factory("sync.sync_style=async", "sync.max_staleness=4", "rollout.repeat=4", "rollout.max_tokens=8", "data.batch_tasks=2")
+    b = broker_factory("sync.sync_style=async", "sync.max_staleness=4", "rollout.repeat=4", "rollout.max_tokens=8",
+                       "data.batch_tasks=2")
     ex = Explorer(explorer_config(b, "sync.sync_style=async"), engine, name="ex-1")
     assert ex.run(max_batches=2) == 2
     trainer = clients(b, "trainer", "tr")
@@ -102,7 +103,8 @@ def test_new_checkpoint_is_loaded_and_trajectories_carry_its_version(broker_fact
     """After PUBLISH, the explorer loads the weights (digest checked) and tags trajectories with the version."""
     from rlbus.weights.models import make_tiny
 
-    b = broker_factory("sync.sync_style=async", "sync.max_staleness=8", "rollout.repeat=4", "rollout.max_tokens=8", "data.batch_tasks=2")
+    b = broker_factory("sync.sync_style=async", "sync.max_staleness=8", "rollout.repeat=4", "rollout.max_tokens=8",
+                       "data.batch_tasks=2")
     trainer = clients(b, "trainer", "tr")
     v1 = make_tiny(tmp_path / "v1", tiny_model, seed=1)
     publish(trainer, v1, 1)
