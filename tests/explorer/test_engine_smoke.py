@@ -1,12 +1,10 @@
 """The engine samples n responses per prompt with one finite logprob per sampled token."""
 
 import math
-import os
 
 import pytest
 
 from rlbus.explorer.engine import Engine, inline_core
-from rlbus.explorer.lifeline import started_with
 from tests.conftest import TINY_KV_MB
 
 
@@ -30,22 +28,6 @@ def test_an_engine_on_cpu_compiles_nothing(engine):
     prompt = engine.chat_prompt([{"role": "user", "content": "Count to five."}])
     assert len(engine.generate([prompt], n=3, max_tokens=8)[0]) == 3
     assert engine.inline and counters["stats"]["unique_graphs"] == 0, dict(counters["stats"])
-
-
-def test_processes_started_with_an_environment_get_it_and_this_process_keeps_its_own(monkeypatch):
-    """How an engine core in a process of its own compiles nothing (tests/explorer/test_explorer_process.py):
-    the setting is in its environment, not in the explorer's after the engine is built."""
-    import subprocess
-    import sys
-
-    monkeypatch.setenv("RLBUS_KEPT", "before")
-    monkeypatch.delenv("RLBUS_ADDED", raising=False)
-    show = [sys.executable, "-c", "import os; print(os.environ['RLBUS_KEPT'], os.environ['RLBUS_ADDED'])"]
-    with started_with({"RLBUS_KEPT": "within", "RLBUS_ADDED": "1"}):
-        assert subprocess.run(show, capture_output=True, text=True, check=True).stdout.split() == ["within", "1"]
-    with pytest.raises(RuntimeError), started_with({"RLBUS_ADDED": "1"}):
-        raise RuntimeError("the engine failed to build")
-    assert os.environ["RLBUS_KEPT"] == "before" and "RLBUS_ADDED" not in os.environ
 
 
 def test_engine_core_placement_is_checked():

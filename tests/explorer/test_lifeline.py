@@ -57,3 +57,16 @@ def test_under_a_temporary_directory_too_long_for_its_socket_paths_vllm_keeps_it
     with lifeline.owning_engines() as mine:
         assert mine is None and lifeline.RPC_ENV not in os.environ
     assert not list(deep.iterdir())
+
+
+def test_processes_started_with_an_environment_get_it_and_this_process_keeps_its_own(monkeypatch):
+    """How an engine core in a process of its own compiles nothing (tests/explorer/test_explorer_process.py):
+    the setting is in its environment, not in the explorer's after the engine is built."""
+    monkeypatch.setenv("RLBUS_KEPT", "before")
+    monkeypatch.delenv("RLBUS_ADDED", raising=False)
+    show = [sys.executable, "-c", "import os; print(os.environ['RLBUS_KEPT'], os.environ['RLBUS_ADDED'])"]
+    with lifeline.started_with({"RLBUS_KEPT": "within", "RLBUS_ADDED": "1"}):
+        assert subprocess.run(show, capture_output=True, text=True, check=True).stdout.split() == ["within", "1"]
+    with pytest.raises(RuntimeError), lifeline.started_with({"RLBUS_ADDED": "1"}):
+        raise RuntimeError("the engine failed to build")
+    assert os.environ["RLBUS_KEPT"] == "before" and "RLBUS_ADDED" not in os.environ
